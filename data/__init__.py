@@ -1,0 +1,1 @@
+"""data: placeholder, filled by later issues."""

@@ -1,0 +1,1 @@
+"""launch: placeholder, filled by later issues."""

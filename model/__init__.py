@@ -1,0 +1,1 @@
+"""k3train model: the Kimi K3 architecture as plain single-device PyTorch (no torch.distributed)."""

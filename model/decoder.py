@@ -1,0 +1,125 @@
+"""The K3 decoder: embedding, 93 (or fewer) hybrid layers with Block AttnRes, final mix, head.
+
+The AttnRes state is two tensors that flow from layer to layer (and, later, between pipeline
+stages): `prefix` [B, T, d], the running sum of the current block, and `blocks` [n, B, T, d],
+the frozen snapshots (embedding first). A layer that starts a block appends with `torch.cat`;
+nothing is cached in module state. Layer flow (0-based idx, §3.3 / §8):
+
+    h = mix_attn(prefix, blocks) if blocks else prefix
+    if idx % block_size == 0: blocks += [prefix]; prefix = None
+    prefix = attn(input_layernorm(h)) (+ prefix)
+    h = mix_mlp(prefix, blocks); prefix += ffn(post_attention_layernorm(h))
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from model.attnres import mix
+from model.config import ModelConfig
+from model.kda import KimiDeltaAttention
+from model.loss import chunked_cross_entropy
+from model.mla import GatedMLA
+from model.mlp import SiTUMLP
+from model.moe import LatentMoE
+from model.norms import RMSNorm
+from model.packing import Packing
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, device: torch.device | None = None
+                 ) -> None:
+        super().__init__()
+        d, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.layer_idx, self.layer_type = layer_idx, cfg.layer_type(layer_idx)
+        self.starts_block = layer_idx % cfg.attn_res_block_size == 0
+        self.attn_res_eps = cfg.attn_res_eps
+        self.self_attn = (GatedMLA(cfg, device) if self.layer_type == "mla"
+                          else KimiDeltaAttention(cfg, device))
+        if cfg.is_moe_layer(layer_idx):
+            self.block_sparse_moe = LatentMoE(cfg, device)
+        else:
+            self.mlp = SiTUMLP(d, cfg.intermediate_size, cfg.activation_situ_beta,
+                               cfg.activation_situ_linear_beta, device)
+        self.input_layernorm = RMSNorm(d, eps, device)
+        self.post_attention_layernorm = RMSNorm(d, eps, device)
+        self.self_attention_res_norm = RMSNorm(d, eps, device)
+        self.self_attention_res_proj = nn.Linear(d, 1, bias=False, device=device)
+        self.mlp_res_norm = RMSNorm(d, eps, device)
+        self.mlp_res_proj = nn.Linear(d, 1, bias=False, device=device)
+
+    @property
+    def ffn(self) -> nn.Module:
+        return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
+
+    def forward(self, prefix: torch.Tensor, blocks: torch.Tensor, packing: Packing
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        eps = self.attn_res_eps
+        if blocks.shape[0] > 0:
+            h = mix(prefix, blocks, self.self_attention_res_norm, self.self_attention_res_proj, eps)
+        else:
+            h = prefix
+        a = self.self_attn(self.input_layernorm(h), packing)
+        if self.starts_block:
+            blocks = torch.cat([blocks, prefix.unsqueeze(0)], dim=0)  # freeze the finished block
+            prefix = a
+        else:
+            prefix = prefix + a
+        h = mix(prefix, blocks, self.mlp_res_norm, self.mlp_res_proj, eps)
+        prefix = prefix + self.ffn(self.post_attention_layernorm(h))
+        return prefix, blocks
+
+
+class K3Model(nn.Module):
+    """Kimi K3 text backbone + untied LM head. Single device; parallelism is applied outside."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        cfg.validate()
+        self.config = cfg
+        d = cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, d, device=device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, device)
+                                    for i in range(cfg.num_hidden_layers))
+        self.output_attn_res_norm = RMSNorm(d, cfg.rms_norm_eps, device)
+        self.output_attn_res_proj = nn.Linear(d, 1, bias=False, device=device)
+        self.norm = RMSNorm(d, cfg.rms_norm_eps, device)
+        self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False, device=device)
+
+    def hidden_states(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None
+                      ) -> torch.Tensor:
+        """input_ids [B, T] -> final normalised hidden states [B, T, d]."""
+        B, T = input_ids.shape
+        packing = Packing(B, T, input_ids.device, cu_seqlens)
+        prefix = self.embed_tokens(input_ids)  # [B, T, d]
+        blocks = prefix.new_zeros((0, B, T, prefix.shape[-1]))  # [0, B, T, d]
+        for layer in self.layers:
+            prefix, blocks = layer(prefix, blocks, packing)
+        h = mix(prefix, blocks, self.output_attn_res_norm, self.output_attn_res_proj,
+                self.config.attn_res_eps)
+        return self.norm(h)
+
+    def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """Logits [B, T, vocab] (materialises them: use `loss` for training)."""
+        return self.lm_head(self.hidden_states(input_ids, cu_seqlens))
+
+    def loss(self, input_ids: torch.Tensor, labels: torch.Tensor,
+             cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum of token cross-entropies, number of target tokens); labels -100 are ignored.
+
+        Return the sum, not the mean, so the trainer can divide by the global batch's tokens.
+        """
+        h = self.hidden_states(input_ids, cu_seqlens)
+        return chunked_cross_entropy(h.flatten(0, 1), self.lm_head.weight, labels.flatten(),
+                                     self.config.loss_chunk_tokens)
+
+    def moe_layers(self) -> list[LatentMoE]:
+        return [m for m in self.modules() if isinstance(m, LatentMoE)]
+
+    @torch.no_grad()
+    def apply_quantile_balancing(self) -> None:
+        """Between optimizer steps: update every router bias from its (reduced) histogram."""
+        for moe in self.moe_layers():
+            moe.gate.apply_quantile_balancing()

@@ -1,0 +1,47 @@
+"""The MoE dispatcher seam: how routed tokens reach expert compute and come back.
+
+`LatentMoE` calls `dispatch(x, topk_idx, topk_weight)` and `combine(y, handle)` on the object it is
+given. `LocalDispatcher` (this file) keeps everything on one device; `moonep` provides the
+expert-parallel one with the same contract:
+
+- dispatch -> (x_grouped [R, l] rows grouped by local expert, group_sizes [E_local] int64, handle)
+- the caller runs its grouped GEMM over (x_grouped, group_sizes)
+- combine(y_grouped [R, l], handle) -> [S, l] fp32: sum_k topk_weight[s, k] * y of (s, k),
+  in the original token order, accumulated in fp32 and deterministic (no atomics).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class LocalHandle:
+    order: torch.Tensor  # [S*k] position in the flat (token, k) list of each grouped row
+    topk_weight: torch.Tensor  # [S, k] fp32
+    num_tokens: int
+
+
+class LocalDispatcher:
+    """Sort (token, expert) pairs by expert; no communication."""
+
+    def __init__(self, num_experts: int) -> None:
+        self.num_experts = num_experts
+
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, LocalHandle]:
+        S, k = topk_idx.shape
+        flat = topk_idx.reshape(-1)  # [S*k]
+        order = torch.argsort(flat, stable=True)  # [S*k] grouped by expert, token order inside
+        x_grouped = x[order // k]  # [S*k, l]
+        group_sizes = torch.bincount(flat, minlength=self.num_experts)  # [E]
+        return x_grouped, group_sizes, LocalHandle(order, topk_weight.float(), S)
+
+    def combine(self, y: torch.Tensor, handle: LocalHandle) -> torch.Tensor:
+        S, k = handle.topk_weight.shape
+        inverse = torch.empty_like(handle.order)
+        inverse[handle.order] = torch.arange(handle.order.numel(), device=y.device)
+        y_tk = y[inverse].view(S, k, -1)  # [S, k, l] back in (token, k) order
+        return (y_tk.float() * handle.topk_weight.unsqueeze(-1)).sum(1)  # [S, l] fp32

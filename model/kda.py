@@ -1,0 +1,89 @@
+"""Kimi Delta Attention layer (k3-architecture.md §1.2-1.3): parameters and glue around the op.
+
+Projections -> short convs (SiLU) -> per-head L2 norm of q/k -> gate and beta -> `chunk_kda` ->
+gated RMSNorm with the full-rank output gate -> output projection. The recurrence itself lives
+in `model.ops.kda`. Gate: K3's lower-bounded `g_min * sigmoid(exp(A_log) * (f + dt_bias))`, or
+Kimi Linear's `-exp(A_log) * softplus(f + dt_bias)` when `gate_lower_bound` is None.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.config import ModelConfig
+from model.norms import GatedRMSNorm, l2norm
+from model.ops.kda import chunk_kda
+from model.packing import Packing
+from model.short_conv import ShortConv
+
+
+def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+             lower_bound: float | None) -> torch.Tensor:
+    """Log-decay g [B, T, H, D] (fp32) from the gate pre-activation f [B, T, H, D]."""
+    H, D = f.shape[-2:]
+    compute = torch.promote_types(f.dtype, torch.float32)
+    x = f.to(compute) + dt_bias.to(compute).view(H, D)
+    a = A_log.to(compute).exp().view(H, 1)
+    if lower_bound is None:
+        return -a * F.softplus(x)
+    return lower_bound * torch.sigmoid(a * x)
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, device: torch.device | None = None) -> None:
+        super().__init__()
+        d, H, D = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim
+        self.num_heads, self.head_dim = H, D
+        self.lower_bound = cfg.gate_lower_bound
+
+        def lin(i: int, o: int) -> nn.Linear:
+            return nn.Linear(i, o, bias=False, device=device)
+
+        self.q_proj, self.k_proj, self.v_proj = lin(d, H * D), lin(d, H * D), lin(d, H * D)
+        self.q_conv1d = ShortConv(H * D, cfg.short_conv_kernel_size, device)
+        self.k_conv1d = ShortConv(H * D, cfg.short_conv_kernel_size, device)
+        self.v_conv1d = ShortConv(H * D, cfg.short_conv_kernel_size, device)
+        self.f_a_proj, self.f_b_proj = lin(d, D), lin(D, H * D)
+        self.A_log = nn.Parameter(torch.empty(H, device=device))
+        self.dt_bias = nn.Parameter(torch.empty(H * D, device=device))
+        self.b_proj = lin(d, H)
+        self.g_proj = lin(d, H * D)
+        self.o_norm = GatedRMSNorm(D, cfg.rms_norm_eps, device)
+        self.o_proj = lin(H * D, d)
+
+    def forward(self, x: torch.Tensor, packing: Packing) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, D = self.num_heads, self.head_dim
+        pos = packing.pos_in_doc
+        q = self.q_conv1d(self.q_proj(x), pos).view(B, T, H, D)
+        k = self.k_conv1d(self.k_proj(x), pos).view(B, T, H, D)
+        v = self.v_conv1d(self.v_proj(x), pos).view(B, T, H, D)
+        q, k = l2norm(q), l2norm(k)
+        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(B, T, H, D), self.A_log, self.dt_bias,
+                     self.lower_bound)  # [B, T, H, D] fp32
+        beta = torch.sigmoid(self.b_proj(x).to(g.dtype))  # [B, T, H]
+        if packing.packed:  # varlen: one row of B*T tokens with per-document state resets
+            o, _ = chunk_kda(*(t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, beta)),
+                             cu_seqlens=packing.cu_seqlens)
+            o = o.view(B, T, H, D)
+        else:
+            o, _ = chunk_kda(q, k, v, g, beta)
+        o = self.o_norm(o.to(x.dtype), self.g_proj(x).view(B, T, H, D))  # [B, T, H, D]
+        return self.o_proj(o.reshape(B, T, H * D))
+
+    @torch.no_grad()
+    def reset_gate_parameters(self, generator: torch.Generator | None = None) -> None:
+        """fla init: A_log = 0 with the lower-bound gate (log U[1,16] otherwise); dt_bias =
+        inv_softplus(dt), dt = exp(U[log 1e-3, log 0.1]) clamped >= 1e-4."""
+        if self.lower_bound is None:
+            a = torch.empty_like(self.A_log).uniform_(1, 16, generator=generator)
+            self.A_log.copy_(a.log())
+        else:
+            self.A_log.zero_()
+        u = torch.empty_like(self.dt_bias).uniform_(generator=generator)
+        dt = torch.exp(u * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).clamp(min=1e-4)
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))

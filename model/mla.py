@@ -1,0 +1,66 @@
+"""Gated Multi-head Latent Attention, NoPE (k3-architecture.md §2.1).
+
+q-LoRA (RMSNorm eps 1e-6) -> q [H, 128+64]; kv-LoRA (RMSNorm eps 1e-6) -> k_C, v per head plus one
+64-dim k_R shared by all heads; no rotary embedding (position comes from KDA); softmax scale
+192^-1/2; full-rank sigmoid output gate per channel; output projection. Attention goes through
+SDPA: `is_causal` for unpacked rows, a causal block-diagonal mask for packed documents.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.config import ModelConfig
+from model.norms import RMSNorm
+from model.packing import Packing
+
+
+class GatedMLA(nn.Module):
+    def __init__(self, cfg: ModelConfig, device: torch.device | None = None) -> None:
+        super().__init__()
+        d, H = cfg.hidden_size, cfg.num_attention_heads
+        self.num_heads = H
+        self.nope, self.rope = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        self.v_dim = cfg.v_head_dim
+        self.kv_lora_rank = cfg.kv_lora_rank
+        self.scale = cfg.qk_head_dim ** -0.5
+        qk = cfg.qk_head_dim
+
+        def lin(i: int, o: int) -> nn.Linear:
+            return nn.Linear(i, o, bias=False, device=device)
+
+        if cfg.q_lora_rank is None:
+            self.q_proj = lin(d, H * qk)
+        else:
+            self.q_a_proj = lin(d, cfg.q_lora_rank)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.mla_lora_norm_eps, device)
+            self.q_b_proj = lin(cfg.q_lora_rank, H * qk)
+        self.kv_a_proj_with_mqa = lin(d, cfg.kv_lora_rank + self.rope)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.mla_lora_norm_eps, device)
+        self.kv_b_proj = lin(cfg.kv_lora_rank, H * (self.nope + self.v_dim))
+        self.g_proj = lin(d, H * self.v_dim) if cfg.mla_use_output_gate else None
+        self.o_proj = lin(H * self.v_dim, d)
+
+    def forward(self, x: torch.Tensor, packing: Packing) -> torch.Tensor:
+        B, T, _ = x.shape
+        H = self.num_heads
+        if hasattr(self, "q_proj"):
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(B, T, H, self.nope + self.rope)
+        c_kv, k_r = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(c_kv)).view(B, T, H, self.nope + self.v_dim)
+        k_c, v = kv.split([self.nope, self.v_dim], dim=-1)  # [B, T, H, 128], [B, T, H, 128]
+        k = torch.cat([k_c, k_r.unsqueeze(2).expand(B, T, H, self.rope)], dim=-1)  # [B,T,H,192]
+        mask = packing.attn_mask
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # [B, H, T, *]
+            attn_mask=mask, is_causal=mask is None, scale=self.scale,
+        ).transpose(1, 2)  # [B, T, H, v]
+        o = o.reshape(B, T, H * self.v_dim)
+        if self.g_proj is not None:
+            o = (o.float() * torch.sigmoid(self.g_proj(x).float())).to(x.dtype)
+        return self.o_proj(o)

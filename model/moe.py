@@ -1,0 +1,123 @@
+"""Stable LatentMoE (k3-architecture.md §4.2) with the fp32 sigmoid router and Quantile Balancing.
+
+router (fp32 sigmoid; bias only selects) -> latent down-projection -> dispatcher -> grouped
+SiTU-GLU experts in the latent width -> fp32 combine -> RMSNorm -> up-projection, plus the shared
+experts fused into one full-width MLP. Expert parallelism plugs in by swapping `dispatcher`.
+The router records Quantile-Balancing histograms in training forwards (not in activation-
+checkpoint recomputation); `apply_quantile_balancing()` is called between optimizer steps.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.balancing import (
+    expert_loads,
+    margin_histogram,
+    quantile_balance_update_from_histogram,
+)
+from model.config import ModelConfig
+from model.dispatch import LocalDispatcher
+from model.mlp import SiTUMLP
+from model.norms import RMSNorm
+from model.ops.grouped_gemm import grouped_mm
+from model.ops.situ import situ_glu
+
+
+def in_recomputation() -> bool:
+    """True while autograd runs a backward pass (e.g. activation-checkpoint recompute)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class Router(nn.Module):
+    """s = sigmoid(x W^T) in fp32; top-k of s + bias; weights = renormalised s * scaling."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device | None = None) -> None:
+        super().__init__()
+        E = cfg.num_experts
+        self.top_k, self.num_bins = cfg.num_experts_per_token, cfg.qb_num_bins
+        self.renormalize, self.scaling = cfg.moe_renormalize, cfg.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(E, cfg.hidden_size, device=device))
+        self.register_buffer("e_score_correction_bias", torch.zeros(E, device=device))
+        self.register_buffer("qb_counts", torch.zeros(E, cfg.qb_num_bins, dtype=torch.long,
+                                                      device=device))
+        self.register_buffer("expert_load", torch.zeros(E, dtype=torch.long, device=device))
+        self.record_stats = True
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [S, d] -> (topk_idx [S, k] int64, topk_weight [S, k] fp32)."""
+        compute = torch.promote_types(x.dtype, torch.float32)
+        scores = torch.sigmoid(F.linear(x.to(compute), self.weight.to(compute)))  # [S, E]
+        bias = self.e_score_correction_bias.to(compute)
+        topk_idx = torch.topk(scores.detach() + bias, self.top_k, dim=-1).indices  # [S, k]
+        w = scores.gather(-1, topk_idx)  # [S, k] unbiased scores carry the gradient
+        if self.renormalize:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        if self.training and self.record_stats and not in_recomputation():
+            with torch.no_grad():
+                self.qb_counts += margin_histogram(scores.detach(), bias, self.top_k,
+                                                   self.num_bins)
+                self.expert_load += expert_loads(topk_idx, scores.shape[-1])
+        return topk_idx, w * self.scaling
+
+    @torch.no_grad()
+    def apply_quantile_balancing(self) -> None:
+        """Set the bias from this step's pooled histogram (possibly all-reduced), clear counts."""
+        new_bias = quantile_balance_update_from_histogram(
+            self.qb_counts, self.e_score_correction_bias, self.top_k)
+        self.e_score_correction_bias.copy_(new_bias)
+        self.qb_counts.zero_()
+
+
+class RoutedExperts(nn.Module):
+    """E SiTU-GLU experts in the latent width; weights stacked [E, out, in] (w1 gate, w3 up)."""
+
+    def __init__(self, num_experts: int, latent: int, intermediate: int, beta: float,
+                 linear_beta: float, device: torch.device | None = None) -> None:
+        super().__init__()
+        self.beta, self.linear_beta = beta, linear_beta
+        self.w1 = nn.Parameter(torch.empty(num_experts, intermediate, latent, device=device))
+        self.w3 = nn.Parameter(torch.empty(num_experts, intermediate, latent, device=device))
+        self.w2 = nn.Parameter(torch.empty(num_experts, latent, intermediate, device=device))
+
+    def forward(self, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+        """x [R, l] rows grouped by expert; group_sizes [E] -> [R, l]."""
+        h = situ_glu(grouped_mm(x, self.w1, group_sizes), grouped_mm(x, self.w3, group_sizes),
+                     self.beta, self.linear_beta)  # [R, m]
+        return grouped_mm(h, self.w2, group_sizes)
+
+
+class LatentMoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, device: torch.device | None = None) -> None:
+        super().__init__()
+        d, latent = cfg.hidden_size, cfg.routed_expert_hidden_size
+        self.gate = Router(cfg, device)
+        self.routed_expert_down_proj = nn.Linear(d, latent, bias=False, device=device)
+        self.experts = RoutedExperts(cfg.num_experts, latent, cfg.moe_intermediate_size,
+                                     cfg.activation_situ_beta, cfg.activation_situ_linear_beta,
+                                     device)
+        self.routed_expert_norm = (RMSNorm(latent, cfg.rms_norm_eps, device)
+                                   if cfg.latent_moe_use_norm else None)
+        self.routed_expert_up_proj = nn.Linear(latent, d, bias=False, device=device)
+        self.shared_experts = (
+            SiTUMLP(d, cfg.num_shared_experts * cfg.moe_intermediate_size,
+                    cfg.activation_situ_beta, cfg.activation_situ_linear_beta, device)
+            if cfg.num_shared_experts > 0 else None)
+        self.dispatcher = LocalDispatcher(cfg.num_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        xs = x.reshape(-1, shape[-1])  # [S, d]
+        topk_idx, topk_weight = self.gate(xs)
+        x_latent = self.routed_expert_down_proj(xs)  # [S, l]
+        x_grouped, group_sizes, handle = self.dispatcher.dispatch(x_latent, topk_idx, topk_weight)
+        y_grouped = self.experts(x_grouped, group_sizes)  # [R, l]
+        u = self.dispatcher.combine(y_grouped, handle)  # [S, l] fp32
+        if self.routed_expert_norm is not None:
+            u = self.routed_expert_norm(u)
+        y = self.routed_expert_up_proj(u.to(x.dtype))
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(xs)
+        return y.view(shape)

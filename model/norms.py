@@ -1,0 +1,39 @@
+"""Normalisation layers used across K3: RMSNorm, gated RMSNorm (KDA output), per-head L2 norm."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """y = x / rms(x) * weight, computed in fp32 and cast back."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, device: torch.device | None = None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float() if x.dtype != torch.float64 else x
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.to(y.dtype)).to(x.dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+class GatedRMSNorm(RMSNorm):
+    """KDA output norm: RMSNorm over each head's channels, times sigmoid(gate).
+
+    fla's FusedRMSNormGated with activation='sigmoid'; one weight [D] shared by all heads."""
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        y = super().forward(x)
+        return (y.float() * torch.sigmoid(gate.float())).to(x.dtype)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim (fla l2norm), fp32 inside."""
+    xf = x.float() if x.dtype != torch.float64 else x
+    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)

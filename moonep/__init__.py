@@ -1,0 +1,1 @@
+"""moonep: placeholder, filled by later issues."""

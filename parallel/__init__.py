@@ -1,0 +1,1 @@
+"""parallel: placeholder, filled by later issues."""

@@ -1,0 +1,69 @@
+"""KDA layer glue (gates, short conv) and Gated MLA against direct float64 formulas."""
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from model.kda import kda_gate
+from model.packing import Packing
+from tests.helpers.tiny import tiny_model
+
+
+def test_lower_bound_gate_range_and_softplus_gate():
+    f = torch.randn(2, 5, 3, 4, dtype=torch.float64) * 4
+    A_log, dt = torch.randn(3, dtype=torch.float64), torch.randn(12, dtype=torch.float64)
+    g = kda_gate(f, A_log, dt, -5.0)
+    assert (g > -5).all() and (g < 0).all() and g.min() < -4.5
+    x = f + dt.view(3, 4)
+    torch.testing.assert_close(g, -5 * torch.sigmoid(A_log.exp().view(3, 1) * x))
+    g2 = kda_gate(f, A_log, dt, None)
+    torch.testing.assert_close(g2, -A_log.exp().view(3, 1) * F.softplus(x))
+    assert g2.min() < -5  # unbounded
+
+
+def test_gate_init_matches_fla():
+    model = tiny_model()
+    kda = model.layers[1].self_attn
+    assert torch.equal(kda.A_log, torch.zeros_like(kda.A_log))  # lower-bound gate: exp(A)=1
+    dt = F.softplus(kda.dt_bias)
+    assert dt.min() >= 1e-4 - 1e-9 and dt.max() <= 0.1 + 1e-6
+    soft = tiny_model(gate_lower_bound=None).layers[1].self_attn
+    assert (soft.A_log.exp() >= 1 - 1e-6).all() and (soft.A_log.exp() <= 16 + 1e-4).all()
+
+
+def test_short_conv_matches_conv1d():
+    conv = tiny_model().layers[1].self_attn.k_conv1d
+    x = torch.randn(2, 10, conv.weight.shape[0])
+    pos = Packing(2, 10, x.device).pos_in_doc
+    ref = F.silu(F.conv1d(F.pad(x.transpose(1, 2), (3, 0)), conv.weight,
+                          groups=x.shape[-1]).transpose(1, 2))
+    torch.testing.assert_close(conv(x, pos), ref)
+
+
+def test_gated_mla_matches_direct_formula():
+    model = tiny_model().double()
+    mla = model.layers[3].self_attn
+    cfg = model.config
+    B, T, H = 2, 7, cfg.num_attention_heads
+    x = torch.randn(B, T, cfg.hidden_size, dtype=torch.float64)
+    got = mla(x, Packing(B, T, x.device))
+
+    def rms(v, w, eps):
+        return v / torch.sqrt((v * v).mean(-1, keepdim=True) + eps) * w
+
+    q = (rms(x @ mla.q_a_proj.weight.T, mla.q_a_layernorm.weight, 1e-6)
+         @ mla.q_b_proj.weight.T).view(B, T, H, 24)
+    ckv = x @ mla.kv_a_proj_with_mqa.weight.T
+    c, kr = ckv[..., :32], ckv[..., 32:]
+    kv = (rms(c, mla.kv_a_layernorm.weight, 1e-6) @ mla.kv_b_proj.weight.T).view(B, T, H, 32)
+    kc, v = kv[..., :16], kv[..., 16:]
+    out = torch.zeros(B, T, H, 16, dtype=torch.float64)
+    for h in range(H):
+        k = torch.cat([kc[:, :, h], kr], -1)  # the same k_R for every head
+        s = q[:, :, h] @ k.transpose(1, 2) / math.sqrt(24)
+        s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+        out[:, :, h] = torch.softmax(s, -1) @ v[:, :, h]
+    gate = torch.sigmoid(x @ mla.g_proj.weight.T)
+    ref = (out.reshape(B, T, -1) * gate) @ mla.o_proj.weight.T
+    torch.testing.assert_close(got, ref)

@@ -1,0 +1,112 @@
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model.build import build_model, materialize
+from model.config import ConfigError, load_model_config, preset_names
+from model.init import cast_model, keeps_fp32
+from model.loss import chunked_cross_entropy
+from tests.helpers.tiny import tiny_model
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_inspect_k3_figures():
+    out = subprocess.run([sys.executable, "-m", "model.inspect", "k3"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    info = json.loads(out)
+    assert round(info["total_params"] / 1e12, 2) == 2.78
+    assert round(info["active_params"] / 1e9, 1) == 104.2
+    assert info["n_layers"] == 93
+    mla = [i + 1 for i, t in enumerate(info["layer_types"]) if t == "mla"]
+    assert mla == [*range(4, 93, 4), 93]
+    assert info["layer_types"].count("kda") == 69
+    assert info["token_mixer_params"] == {"kda": 443_740_384, "mla": 232_196_096}
+    assert info["attn_res_final_sources"] == 9
+
+
+def test_inspect_bad_preset_is_one_line_error():
+    r = subprocess.run([sys.executable, "-m", "model.inspect", "nope"], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and r.stdout == ""
+    assert len(r.stderr.strip().splitlines()) == 1 and "debug" in r.stderr
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_every_preset_builds_on_meta_in_seconds(name):
+    t0 = time.perf_counter()
+    model = build_model(name, device="meta")
+    assert time.perf_counter() - t0 < 30
+    assert all(p.is_meta for p in model.parameters())
+
+
+def test_meta_materialisation_gives_identical_weights():
+    direct = build_model("debug", seed=7)
+    late = materialize(build_model("debug", device="meta"), "cpu", seed=7)
+    sd1, sd2 = direct.state_dict(), late.state_dict()
+    assert sd1.keys() == sd2.keys()
+    for k in sd1:
+        assert torch.equal(sd1[k], sd2[k]), k
+    other = build_model("debug", seed=8)
+    assert not torch.equal(other.lm_head.weight, direct.lm_head.weight)
+    assert direct.layers[0].self_attention_res_proj.weight.abs().sum() == 0
+    assert "layers.1.block_sparse_moe.gate.e_score_correction_bias" in sd1
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ConfigError, match="num_experts_per_token"):
+        load_model_config("debug", num_experts_per_token=8)
+    with pytest.raises(ConfigError, match="full_attn_layers"):
+        load_model_config("debug", full_attn_layers=[9])
+    with pytest.raises(ConfigError, match="unknown model config field"):
+        load_model_config("debug", hiden_size=3)
+
+
+def test_cast_keeps_k3_fp32_parameters():
+    model = cast_model(tiny_model(), torch.bfloat16)
+    kept = {n for n, p in model.named_parameters() if p.dtype == torch.float32}
+    assert kept == {n for n, _ in model.named_parameters() if keeps_fp32(n)}
+    assert any(n.endswith("A_log") for n in kept) and any("q_conv1d" in n for n in kept)
+    assert model.layers[1].block_sparse_moe.gate.e_score_correction_bias.dtype == torch.float32
+    x = torch.randint(0, 512, (2, 32))
+    s, n = model.loss(x, x)
+    assert torch.isfinite(s)
+
+
+def test_chunked_loss_equals_full_cross_entropy():
+    h = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(40, 16, dtype=torch.float64, requires_grad=True)
+    y = torch.randint(0, 40, (50,))
+    y[::7] = -100
+    s, n = chunked_cross_entropy(h, w, y, chunk_tokens=8)
+    ref = F.cross_entropy(h @ w.T, y, ignore_index=-100, reduction="sum")
+    torch.testing.assert_close(s, ref)
+    assert n.item() == (y != -100).sum().item()
+    g1 = torch.autograd.grad(s, (h, w))
+    g2 = torch.autograd.grad(ref, (h, w))
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b)
+
+
+def test_debug_model_overfits_a_fixed_batch():
+    torch.manual_seed(0)
+    model = tiny_model()
+    x = torch.randint(0, 512, (4, 64))
+    y = torch.roll(x, -1, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(60):
+        s, n = model.loss(x, y)
+        loss = s / n
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        model.apply_quantile_balancing()
+        losses.append(loss.item())
+    assert losses[-1] < 0.1 * losses[0], losses[::10]

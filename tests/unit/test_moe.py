@@ -1,0 +1,126 @@
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from model.dispatch import LocalDispatcher
+from model.moe import LatentMoE
+from model.ops.grouped_gemm import _padded_bmm, grouped_mm
+from model.ops.situ import situ_glu
+from tests.helpers.tiny import debug_config
+
+
+def _moe(**over):
+    cfg = debug_config(**over)
+    moe = LatentMoE(cfg)
+    g = torch.Generator().manual_seed(0)
+    for p in moe.parameters():
+        with torch.no_grad():
+            p.normal_(0, 0.2, generator=g)
+    moe.gate.e_score_correction_bias.zero_()
+    moe.gate.qb_counts.zero_()
+    moe.gate.expert_load.zero_()
+    return cfg, moe
+
+
+def _per_token_reference(moe, cfg, x):
+    """Loop over tokens and their chosen experts, float64 (the oracle)."""
+    moe = moe.double()
+    xs = x.double().reshape(-1, x.shape[-1])
+    r = moe.gate
+    out = torch.zeros_like(xs)
+    for t in range(xs.shape[0]):
+        s = torch.sigmoid(r.weight @ xs[t])
+        biased = s + r.e_score_correction_bias.double()
+        chosen = torch.topk(biased, cfg.num_experts_per_token).indices
+        w = s[chosen] / s[chosen].sum() * cfg.routed_scaling_factor
+        xl = moe.routed_expert_down_proj.weight @ xs[t]
+        u = torch.zeros_like(xl)
+        for j, e in enumerate(chosen.tolist()):
+            E = moe.experts
+            h = situ_glu(E.w1[e] @ xl, E.w3[e] @ xl)
+            u = u + w[j] * (E.w2[e] @ h)
+        u = u / torch.sqrt((u * u).mean() + cfg.rms_norm_eps) * moe.routed_expert_norm.weight
+        y = moe.routed_expert_up_proj.weight @ u
+        sh = moe.shared_experts
+        hs = situ_glu(sh.gate_proj.weight @ xs[t], sh.up_proj.weight @ xs[t])
+        y = y + sh.down_proj.weight @ hs
+        out[t] = y
+    return out.view(x.shape)
+
+
+@pytest.mark.parametrize("scaling", [1.0, 2.5])
+def test_grouped_moe_equals_per_token_reference(scaling):
+    cfg, moe = _moe(routed_scaling_factor=scaling)
+    with torch.no_grad():
+        moe.gate.e_score_correction_bias.copy_(torch.randn(cfg.num_experts) * 0.3)
+    x = torch.randn(2, 9, cfg.hidden_size)
+    moe.eval()
+    got = moe(x)
+    ref = _per_token_reference(moe, cfg, x)
+    torch.testing.assert_close(got.double(), ref, rtol=2e-5, atol=2e-5)
+
+
+def test_bias_only_selects_and_weights_renormalise():
+    cfg, moe = _moe(routed_scaling_factor=2.0)
+    x = torch.randn(16, cfg.hidden_size)
+    idx0, w0 = moe.gate(x)
+    torch.testing.assert_close(w0.sum(-1), torch.full((16,), 2.0))
+    with torch.no_grad():  # a huge bias on expert 3 forces its selection...
+        moe.gate.e_score_correction_bias[3] = 10.0
+    idx1, w1 = moe.gate(x)
+    assert (idx1 == 3).any(-1).all()
+    scores = torch.sigmoid(x @ moe.gate.weight.T)
+    expected = scores.gather(-1, idx1)
+    torch.testing.assert_close(w1, expected / expected.sum(-1, keepdim=True) * 2.0)  # ...not weight
+    assert moe.gate.weight.dtype == torch.float32 and w1.dtype == torch.float32
+
+
+def test_router_bias_gets_no_gradient_and_stats_record_once_under_checkpoint():
+    cfg, moe = _moe()
+    moe.train()
+    x = torch.randn(2, 8, cfg.hidden_size, requires_grad=True)
+    checkpoint(moe, x, use_reentrant=False).sum().backward()
+    counts = moe.gate.qb_counts
+    assert counts.sum(1).tolist() == [16] * cfg.num_experts  # once, not twice (recompute)
+    assert moe.gate.expert_load.sum().item() == 16 * cfg.num_experts_per_token
+    assert moe.gate.weight.grad is not None and moe.gate.weight.grad.abs().sum() > 0
+    moe.gate.apply_quantile_balancing()
+    assert counts.sum() == 0
+    assert abs(moe.gate.e_score_correction_bias.mean().item()) < 1e-6
+    assert moe.gate.e_score_correction_bias.abs().sum() > 0
+
+
+def test_no_stats_in_eval():
+    cfg, moe = _moe()
+    moe.eval()
+    moe(torch.randn(1, 4, cfg.hidden_size))
+    assert moe.gate.qb_counts.sum() == 0
+
+
+def test_grouped_mm_backends_agree_with_zero_groups():
+    x = torch.randn(20, 8, requires_grad=True)
+    w = torch.randn(5, 6, 8, requires_grad=True)
+    sizes = torch.tensor([0, 7, 0, 13, 0])
+    y1 = grouped_mm(x, w, sizes)
+    y2 = _padded_bmm(x, w, sizes)
+    ref = torch.cat([x[:7] @ w[1].T, x[7:] @ w[3].T])
+    torch.testing.assert_close(y1, ref)
+    torch.testing.assert_close(y2, ref)
+    (g1,) = torch.autograd.grad(y1.sum(), w)  # stride-0 incoming gradient (trap 14)
+    (g2,) = torch.autograd.grad(y2.sum(), w)
+    torch.testing.assert_close(g1, g2)
+    assert torch.autograd.gradcheck(lambda a, b: grouped_mm(a, b, sizes),
+                                    (x.double().detach().requires_grad_(),
+                                     w.double().detach().requires_grad_()))
+
+
+def test_local_dispatcher_roundtrip_and_all_to_one_expert():
+    d = LocalDispatcher(4)
+    x = torch.randn(6, 3)
+    idx = torch.tensor([[2, 0]] * 6)  # every token on experts 2 and 0
+    w = torch.rand(6, 2)
+    xg, sizes, h = d.dispatch(x, idx, w)
+    assert sizes.tolist() == [6, 0, 6, 0]
+    torch.testing.assert_close(xg[:6], x)
+    out = d.combine(xg * 2, h)  # "expert" doubles its input
+    torch.testing.assert_close(out, 2 * x * w.sum(1, keepdim=True))

@@ -1,0 +1,1 @@
+"""train: placeholder, filled by later issues."""
