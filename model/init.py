@@ -1,24 +1,27 @@
 """Weight initialisation and dtype policy, in one place.
 
-`init_weights(model, seed)` is the only source of initial values: every parameter gets its own
-generator seeded from (seed, parameter name), so a model built directly and one materialised from
-the meta device get identical weights, whatever the construction order. Rules (k3-architecture.md
-§9 open question 1, our proposal): normal(0, initializer_range) for linears, experts, router and
-embedding; ones for norm weights; zeros for AttnRes pseudo-queries; fla's init for A_log/dt_bias;
-Conv1d's default uniform bound for the short convs; all buffers (router bias, QB counts) zero.
+`init_weights(model, seed)` is the only source of initial values. Every parameter is filled as a
+full (unsharded) tensor from its own generator, seeded from (seed, parameter name), and handed to
+`write(param, full)`. So a model built directly, one materialised from the meta device, and one
+sharded by `parallel/` (which passes a writer that keeps only the local shard) all get the same
+weights. Rules (k3-architecture.md §9 open question 1, our proposal): normal(0, initializer_range)
+for linears, experts, router and embedding; ones for norm weights; zeros for AttnRes
+pseudo-queries; fla's init for A_log/dt_bias; Conv1d's default uniform bound for the short convs;
+all buffers (router bias, QB counts, loads) zero.
 
 `FP32_PARAM_SUFFIXES` lists what K3 keeps in fp32 when the rest of the model is cast down.
 """
 
 from __future__ import annotations
 
+import math
 import zlib
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from model.kda import KimiDeltaAttention
-from model.moe import RoutedExperts, Router
 from model.norms import RMSNorm
 from model.short_conv import ShortConv
 
@@ -27,47 +30,56 @@ FP32_PARAM_SUFFIXES = (
     "_res_norm.weight", "_res_proj.weight",
 )
 
+Writer = Callable[[torch.Tensor, torch.Tensor], None]
+
 
 def keeps_fp32(name: str) -> bool:
     return name.endswith(FP32_PARAM_SUFFIXES)
 
 
-def param_generator(seed: int, name: str, device: torch.device) -> torch.Generator:
+def _copy(param: torch.Tensor, full: torch.Tensor) -> None:
+    param.copy_(full)
+
+
+def _generator(seed: int, name: str, device: torch.device) -> torch.Generator:
     gen = torch.Generator(device=device)
     gen.manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
     return gen
 
 
-@torch.no_grad()
-def init_weights(model: nn.Module, seed: int = 0) -> nn.Module:
-    std = model.config.initializer_range  # type: ignore[union-attr]
-    done: set[str] = set()
-    for mod_name, module in model.named_modules():
-        prefix = f"{mod_name}." if mod_name else ""
-        own = dict(module.named_parameters(recurse=False))
-        if not own:
-            continue
-
-        def gen(pname: str, prefix: str = prefix, own: dict = own) -> torch.Generator:
-            return param_generator(seed, prefix + pname, own[pname].device)
-
-        if isinstance(module, RMSNorm):
-            module.reset_parameters()
-        elif isinstance(module, ShortConv):
-            module.reset_parameters(gen("weight"))
-        elif isinstance(module, nn.Linear) and mod_name.endswith("_res_proj"):
-            module.weight.zero_()  # AttnRes pseudo-query: uniform depth average at step 0
-        elif isinstance(module, KimiDeltaAttention):
-            module.reset_gate_parameters(gen("dt_bias"))
-        elif isinstance(module, (nn.Linear, nn.Embedding, Router, RoutedExperts)):
-            for pname, p in own.items():
-                p.normal_(0.0, std, generator=gen(pname))
+def _fill(module: nn.Module, mod_name: str, pname: str, full: torch.Tensor,
+          gen: torch.Generator, std: float) -> None:
+    """Write the initial value of `module.<pname>` into `full` (its full shape)."""
+    if isinstance(module, RMSNorm):
+        full.fill_(1.0)
+    elif isinstance(module, ShortConv):
+        bound = module.kernel_size ** -0.5  # nn.Conv1d's default bound for a depthwise conv
+        full.uniform_(-bound, bound, generator=gen)
+    elif mod_name.endswith("_res_proj"):
+        full.zero_()  # AttnRes pseudo-query: a uniform depth average at step 0
+    elif isinstance(module, KimiDeltaAttention) and pname == "A_log":
+        if module.lower_bound is None:  # fla: log U[1, 16]; zeros with the lower-bound gate
+            full.copy_(torch.empty_like(full).uniform_(1, 16, generator=gen).log())
         else:
-            raise TypeError(f"init_weights has no rule for {type(module).__name__} ({mod_name})")
-        done.update(prefix + p for p in own)
-    missing = [n for n, _ in model.named_parameters() if n not in done]
-    if missing:
-        raise RuntimeError(f"init_weights left parameters uninitialised: {missing[:5]}")
+            full.zero_()
+    elif isinstance(module, KimiDeltaAttention) and pname == "dt_bias":
+        u = torch.empty_like(full).uniform_(generator=gen)  # dt = exp(U[log 1e-3, log 0.1])
+        dt = torch.exp(u * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).clamp(min=1e-4)
+        full.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+    else:
+        full.normal_(0.0, std, generator=gen)
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, seed: int = 0, write: Writer = _copy) -> nn.Module:
+    """Initialise every parameter and zero every buffer; `write(param, full_value)` stores."""
+    std = model.config.initializer_range  # type: ignore[union-attr]
+    for mod_name, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            name = f"{mod_name}.{pname}" if mod_name else pname
+            full = torch.empty(p.shape, dtype=torch.float32, device=p.device)
+            _fill(module, mod_name, pname, full, _generator(seed, name, full.device), std)
+            write(p, full.to(p.dtype))
     for buf in model.buffers():
         buf.zero_()
     return model

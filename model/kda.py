@@ -8,8 +8,6 @@ Kimi Linear's `-exp(A_log) * softplus(f + dt_bias)` when `gate_lower_bound` is N
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -39,6 +37,7 @@ class KimiDeltaAttention(nn.Module):
         d, H, D = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim
         self.num_heads, self.head_dim = H, D
         self.lower_bound = cfg.gate_lower_bound
+        self.chunk_size = cfg.kda_chunk_size
 
         def lin(i: int, o: int) -> nn.Linear:
             return nn.Linear(i, o, bias=False, device=device)
@@ -68,22 +67,9 @@ class KimiDeltaAttention(nn.Module):
         beta = torch.sigmoid(self.b_proj(x).to(g.dtype))  # [B, T, H]
         if packing.packed:  # varlen: one row of B*T tokens with per-document state resets
             o, _ = chunk_kda(*(t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, beta)),
-                             cu_seqlens=packing.cu_seqlens)
+                             cu_seqlens=packing.cu_seqlens, chunk_size=self.chunk_size)
             o = o.view(B, T, H, D)
         else:
-            o, _ = chunk_kda(q, k, v, g, beta)
+            o, _ = chunk_kda(q, k, v, g, beta, chunk_size=self.chunk_size)
         o = self.o_norm(o.to(x.dtype), self.g_proj(x).view(B, T, H, D))  # [B, T, H, D]
         return self.o_proj(o.reshape(B, T, H * D))
-
-    @torch.no_grad()
-    def reset_gate_parameters(self, generator: torch.Generator | None = None) -> None:
-        """fla init: A_log = 0 with the lower-bound gate (log U[1,16] otherwise); dt_bias =
-        inv_softplus(dt), dt = exp(U[log 1e-3, log 0.1]) clamped >= 1e-4."""
-        if self.lower_bound is None:
-            a = torch.empty_like(self.A_log).uniform_(1, 16, generator=generator)
-            self.A_log.copy_(a.log())
-        else:
-            self.A_log.zero_()
-        u = torch.empty_like(self.dt_bias).uniform_(generator=generator)
-        dt = torch.exp(u * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).clamp(min=1e-4)
-        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))

@@ -19,9 +19,6 @@ class RMSNorm(nn.Module):
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * self.weight.to(y.dtype)).to(x.dtype)
 
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
-
 
 class GatedRMSNorm(RMSNorm):
     """KDA output norm: RMSNorm over each head's channels, times sigmoid(gate).

@@ -31,8 +31,3 @@ class ShortConv(nn.Module):
             keep = (pos_in_doc >= s).unsqueeze(-1).to(compute)  # [B, T, 1]
             y = y + shifted * keep * w[:, -1 - s]
         return F.silu(y).to(x.dtype)
-
-    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
-        bound = self.kernel_size ** -0.5  # nn.Conv1d's default bound for a depthwise conv
-        with torch.no_grad():
-            self.weight.uniform_(-bound, bound, generator=generator)

@@ -74,10 +74,12 @@ def chunk_kda(
     initial_state: Tensor | None = None,
     output_final_state: bool = False,
     cu_seqlens: Tensor | None = None,
+    chunk_size: int = 64,
 ) -> KDAOut:
     """Public KDA op (fla-compatible plain semantics).
 
     Returns (o [B, T, H, V] in v's dtype, final_state [N, H, K, V] fp32 or None).
+    `chunk_size` applies to the PyTorch reference only (fla picks its own tiling).
     """
     if kda_backend(q.device) == "fla":
         fla_chunk_kda = _load_fla()
@@ -88,7 +90,7 @@ def chunk_kda(
         )
     return chunk_kda_reference(
         q, k, v, g, beta, scale=scale, initial_state=initial_state,
-        output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
     )
 
 
@@ -197,11 +199,14 @@ def _intra_scores(q: Tensor, k: Tensor, G: Tensor, causal: Tensor) -> Tensor:
     MiB): fresh large CPU allocations cost more in page faults than the arithmetic itself.
     """
     diff = G.unsqueeze(-2) - G.unsqueeze(-3)  # [B, H, n, C(r), C(i), K] = G_r - G_i
-    # Floor at log(sqrt(tiny)): exp never makes (slow, x86) subnormals; the error is < 1e-19.
+    # Clamp to [log(sqrt(tiny)), 0] before exp: no overflow above the diagonal (G_r - G_i > 0
+    # there; those scores are zeroed below, and clamp passes them no gradient) and no slow x86
+    # subnormals below (error < 1e-19). Cheaper than exp of a -inf mask.
     floor = 0.5 * math.log(torch.finfo(G.dtype).tiny)
-    decay = diff.clamp(min=floor).masked_fill(~causal.unsqueeze(-1), float("-inf")).exp()
+    decay = diff.clamp(min=floor, max=0.0).exp()
     kdec = decay * k.unsqueeze(-3)  # [B, H, n, C(r), C(i), K] = exp(G_r - G_i) * k_i
-    return kdec @ torch.stack([k, q], dim=-1)  # [B, H, n, C(r), C(i), 2]
+    scores = kdec @ torch.stack([k, q], dim=-1)  # [B, H, n, C(r), C(i), 2]
+    return scores * causal.unsqueeze(-1).to(scores.dtype)  # keep i <= r only
 
 
 def _chunk_fwd(
@@ -224,8 +229,8 @@ def _chunk_fwd(
     b = chunks(beta.unsqueeze(-1))  # [B, H, NT, C, 1]
     G = g.cumsum(dim=-2)  # [B, H, NT, C, K] in-chunk cumulative log-decay
 
-    # Intra-chunk part, all chunks at once. exp(G_r - G_i) only where i <= r: the upper triangle is
-    # masked to -inf BEFORE exp (G_r - G_i > 0 there and can overflow; -inf keeps grads finite).
+    # Intra-chunk part, all chunks at once. exp(G_r - G_i) is only used where i <= r; the upper
+    # triangle (G_r - G_i > 0, could overflow) is clamped to 0 before exp and zeroed after.
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()  # [C(r), C(i)]
     step = max(1, _INTRA_BUDGET // (B * H * C * C * K))  # chunks per [.., C, C, K] temporary
     A = torch.cat([_intra_scores(q[:, :, s : s + step], k[:, :, s : s + step],

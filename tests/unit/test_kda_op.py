@@ -12,14 +12,6 @@ from model.ops.kda import chunk_kda, chunk_kda_reference, kda_backend, recurrent
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tensors are tiny: OpenMP threads only add overhead (100x on a busy 2-core box)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def make_inputs(
     B: int = 2, T: int = 100, H: int = 2, K: int = 16, V: int = 8, gate: str = "bounded",
@@ -52,6 +44,22 @@ def run(fn, inp: dict[str, torch.Tensor], **kw):
 
 def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item()
+
+
+def test_recurrence_matches_householder_form() -> None:
+    """The oracle vs the other form of §1.1: S_t = (I - b k k^T) Diag(a) S + b k v^T."""
+    inp = make_inputs(B=2, T=5, H=2, K=4, V=3, seed=5)
+    o, s = run(recurrent_kda, inp)  # default scale must be K**-0.5
+    eye = torch.eye(4, dtype=F64)
+    for bi in range(2):
+        for h in range(2):
+            S = inp["initial_state"][bi, h]
+            for t in range(5):
+                kt, bt = inp["k"][bi, t, h], inp["beta"][bi, t, h]
+                S = ((eye - bt * torch.outer(kt, kt)) @ torch.diag(inp["g"][bi, t, h].exp()) @ S
+                     + bt * torch.outer(kt, inp["v"][bi, t, h]))
+                assert max_err(o[bi, t, h], 0.5 * S.T @ inp["q"][bi, t, h]) <= 1e-12
+            assert max_err(s[bi, h], S) <= 1e-12
 
 
 @pytest.mark.parametrize("gate", ["bounded", "unbounded"])

@@ -97,11 +97,11 @@ def test_chunked_loss_equals_full_cross_entropy():
 def test_debug_model_overfits_a_fixed_batch():
     torch.manual_seed(0)
     model = tiny_model()
-    x = torch.randint(0, 512, (4, 64))
+    x = torch.randint(0, 512, (2, 64))
     y = torch.roll(x, -1, 1)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
-    for _ in range(60):
+    for _ in range(25):
         s, n = model.loss(x, y)
         loss = s / n
         opt.zero_grad()
@@ -109,4 +109,4 @@ def test_debug_model_overfits_a_fixed_batch():
         opt.step()
         model.apply_quantile_balancing()
         losses.append(loss.item())
-    assert losses[-1] < 0.1 * losses[0], losses[::10]
+    assert losses[-1] < 0.1 * losses[0], losses[::5]

@@ -1,0 +1,149 @@
+"""Tokenizers behind one small interface: a byte-level one for tests/demos and a Hugging Face one.
+
+Both expose `name` (a stable id written into manifests and cache keys), `encode`, `encode_batch`,
+`decode`, `bos_id`, `eos_id` and `vocab_size`. Text is encoded without any special tokens: the
+preparer appends `eos_id` after each document itself, and a literal "<|endoftext|>" inside a
+document is encoded as ordinary text, never as a boundary.
+
+Deliberately not here: chat templates, padding/truncation, training tokenizers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Protocol
+
+from tokenizers import Tokenizer as _HFCore
+
+EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "[EOS]", "<|im_end|>", "<|end_of_text|>")
+BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "[BOS]", "<|startoftext|>", "<|im_start|>")
+
+
+class Tokenizer(Protocol):
+    name: str
+    bos_id: int
+    eos_id: int
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+    def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are ids 0..255; bos=256, eos=257, pad=258; vocab_size 259."""
+
+    name = "byte"
+    bos_id, eos_id, pad_id = 256, 257, 258
+    vocab_size = 259
+    _SPECIAL_TEXT = {256: "<|bos|>", 257: "<|eos|>", 258: "<|pad|>"}
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: list[int]) -> str:
+        """Bytes decode as UTF-8 (invalid runs become U+FFFD); specials render as <|eos|> etc."""
+        out: list[str] = []
+        run = bytearray()
+        for i in ids:
+            i = int(i)
+            if i < 256:
+                run.append(i)
+                continue
+            out.append(run.decode("utf-8", errors="replace"))
+            run.clear()
+            out.append(self._SPECIAL_TEXT.get(i, f"<|{i}|>"))
+        out.append(run.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+    def __repr__(self) -> str:
+        return "ByteTokenizer()"
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizer.json`; name is "hf:" + the first 12 hex digits of its sha256."""
+
+    def __init__(self, path: str | Path, eos_token: str | None = None,
+                 bos_token: str | None = None) -> None:
+        self.path = Path(path)
+        try:
+            raw = self.path.read_bytes()
+            core = _HFCore.from_str(raw.decode("utf-8"))
+        except Exception as e:  # tokenizers raises a bare Exception on bad JSON
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ValueError(f"cannot load tokenizer {str(path)!r} ({msg}); pass a Hugging Face "
+                             "tokenizer.json or 'byte'") from None
+        self.name = "hf:" + hashlib.sha256(raw).hexdigest()[:12]
+        self._json = raw.decode("utf-8")
+        self._setup(core, eos_token, bos_token)
+
+    def _setup(self, core: _HFCore, eos_token: str | None, bos_token: str | None) -> None:
+        core.encode_special_tokens = True  # special-token strings inside documents stay text
+        self._core = core
+        self._eos_token, self._bos_token = eos_token, bos_token
+        eos = self._find(eos_token, EOS_NAMES)
+        if eos is None:
+            raise ValueError(f"tokenizer {str(self.path)!r} has none of the eos tokens "
+                             f"{list(EOS_NAMES)}; pass eos_token='<its end-of-text token>'")
+        bos = self._find(bos_token, BOS_NAMES)
+        self.eos_id = eos
+        self.bos_id = eos if bos is None else bos  # GPT-2 convention: one token for both
+        self.vocab_size = core.get_vocab_size(with_added_tokens=True)
+
+    def _find(self, explicit: str | None, names: tuple[str, ...]) -> int | None:
+        if explicit is not None:
+            i = self._core.token_to_id(explicit)
+            if i is None:
+                raise ValueError(f"token {explicit!r} is not in tokenizer {str(self.path)!r}; "
+                                 "pass a token that the tokenizer defines")
+            return i
+        for n in names:
+            i = self._core.token_to_id(n)
+            if i is not None:
+                return i
+        return None
+
+    def encode(self, text: str) -> list[int]:
+        return self._core.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._core.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: list[int]) -> str:
+        return self._core.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    # Pickling (for worker processes) goes through the JSON text: the tokenizers core object
+    # forgets `encode_special_tokens` when pickled.
+    def __getstate__(self) -> dict:
+        return {"path": str(self.path), "name": self.name, "json": self._json,
+                "eos_token": self._eos_token, "bos_token": self._bos_token}
+
+    def __setstate__(self, s: dict) -> None:
+        self.path, self.name, self._json = Path(s["path"]), s["name"], s["json"]
+        self._setup(_HFCore.from_str(s["json"]), s["eos_token"], s["bos_token"])
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer({str(self.path)!r}, name={self.name!r})"
+
+
+def load_tokenizer(spec: str | Path, eos_token: str | None = None) -> Tokenizer:
+    """"byte", a path to a tokenizer.json, or a folder holding one; ValueError otherwise."""
+    if str(spec) == "byte":
+        return ByteTokenizer()
+    p = Path(spec)
+    if p.is_dir() and (p / "tokenizer.json").is_file():
+        p = p / "tokenizer.json"
+    if not p.is_file():
+        raise ValueError(f"tokenizer {str(spec)!r} is neither 'byte' nor an existing file; "
+                         "use --tokenizer byte or a path to a Hugging Face tokenizer.json")
+    try:
+        json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"tokenizer {str(spec)!r} is not a JSON tokenizer file ({e}); use "
+                         "--tokenizer byte or a path to a Hugging Face tokenizer.json") from None
+    return HFTokenizer(p, eos_token=eos_token)

@@ -1,0 +1,174 @@
+"""The typed config tree of a training job (Hydra structured configs) and its one validation step.
+
+YAML under `configs/` only sets values; every field and its type is declared here. `validate_job`
+runs every cross-field check before any process group starts and raises `ConfigError` with one
+line naming the field and the fix. Parallel-layout checks are delegated to `parallel.dims`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from model.config import ConfigError, ModelConfig
+
+
+@dataclass
+class RunConfig:
+    name: str = "k3-debug"
+    dir: str | None = None  # default: outputs/<name>
+
+
+@dataclass
+class ClusterConfig:
+    name: str = "local_cpu"
+    device: str = "cpu"  # cpu | cuda
+    backend: str = "gloo"  # gloo | nccl
+    param_dtype: str = "fp32"  # compute dtype of parameters under FSDP: fp32 | bf16
+    reduce_dtype: str = "fp32"  # gradient reduce-scatter dtype
+    timeout_s: int = 600  # collective timeout: a hung job fails instead of waiting 30 minutes
+    peak_tflops: float | None = None  # per device, for MFU; None: look it up from the device
+
+
+@dataclass
+class ParallelConfig:
+    dp_replicate: int = 1
+    dp_shard: int = -1  # -1: whatever the world size leaves after the other dims
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    cp: int = 1
+    reshard_after_forward: bool = True
+
+
+@dataclass
+class DataConfig:
+    dataset: str = "stdlib"  # "stdlib" (embedded default corpus) or a prepared data directory
+    tokenizer: str = "byte"  # "byte" or a path to a Hugging Face tokenizer.json
+    seq_len: int = 256
+    global_batch: int = 16  # sequences per optimizer step, whatever the world size
+    micro_batch: int = 4  # sequences per forward/backward on one rank
+    seed: int = 1234
+    stdlib_max_bytes: int = 20_000_000
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 3e-3
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # 0 disables clipping
+    schedule: str = "cosine"  # cosine | wsd | constant
+    warmup_frac: float = 0.01  # K3: 1% linear warmup
+    min_lr_ratio: float = 0.1
+    decay_frac: float = 0.2  # wsd: the last fraction of steps decays linearly
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    seed: int = 0
+    stop_at_step: int | None = None  # end this run early (with a checkpoint); resume continues
+    log_images_every: int = 50
+    activation_checkpointing: bool = False
+
+
+@dataclass
+class CheckpointConfig:
+    enabled: bool = True
+    interval: int = 50
+    keep: int = 3
+    async_save: bool = True  # only on CUDA; CPU saves are synchronous
+    resume: bool = True  # resume from the latest complete checkpoint in the run directory
+
+
+@dataclass
+class MetricsConfig:
+    wandb_mode: str = "auto"  # auto (online iff a key is configured) | online | offline | disabled
+    wandb_project: str = "k3train"
+    console: bool = True
+
+
+@dataclass
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.dir) if self.run.dir else Path("outputs") / self.run.name
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def validate_job(job: JobConfig, world_size: int) -> JobConfig:
+    """All cross-field checks; mutates nothing but resolves `parallel.dp_shard=-1`."""
+    from parallel.dims import ParallelDims
+
+    job.model.validate()
+    c, d, o, t, k = job.cluster, job.data, job.optim, job.train, job.checkpoint
+    _need(c.device in ("cpu", "cuda"), f"cluster.device={c.device!r}: use cpu or cuda")
+    _need(c.backend in ("gloo", "nccl"), f"cluster.backend={c.backend!r}: use gloo or nccl")
+    _need(not (c.device == "cpu" and c.backend == "nccl"),
+          "cluster.backend=nccl needs cluster.device=cuda; use gloo on CPU")
+    for name in ("param_dtype", "reduce_dtype"):
+        v = getattr(c, name)
+        _need(v in ("fp32", "bf16"), f"cluster.{name}={v!r}: use fp32 or bf16")
+    _need(not (c.device == "cpu" and c.param_dtype != "fp32"),
+          "cluster.param_dtype=bf16 on CPU is not supported (slow, see cpu-testing.md); use fp32")
+    if c.device == "cuda":
+        import torch
+
+        _need(torch.cuda.is_available(),
+              "cluster.device=cuda but no CUDA device is visible; use +cluster=local_cpu")
+    dims = ParallelDims.from_config(job.parallel, world_size)
+    job.parallel.dp_shard = dims.dp_shard
+    dims.validate_model(job.model)
+    dp = dims.dp
+    _need(d.seq_len > 0, f"data.seq_len={d.seq_len} must be positive")
+    _need(d.micro_batch > 0 and d.global_batch > 0, "data.global_batch and data.micro_batch > 0")
+    _need(d.global_batch % (dp * d.micro_batch) == 0,
+          f"data.global_batch={d.global_batch} must be a multiple of data-parallel size {dp} x "
+          f"data.micro_batch={d.micro_batch}; e.g. data.global_batch={dp * d.micro_batch * max(1, d.global_batch // (dp * d.micro_batch))}")  # noqa: E501
+    _need(d.dataset == "stdlib" or Path(d.dataset, "manifest.json").is_file(),
+          f"data.dataset={d.dataset!r} has no manifest.json; prepare it with "
+          "`python -m data.prepare <text files> --output <dir>` or use data.dataset=stdlib")
+    _need(d.tokenizer == "byte" or Path(d.tokenizer).is_file(),
+          f"data.tokenizer={d.tokenizer!r} is neither 'byte' nor an existing tokenizer.json")
+    _need(o.name == "adamw", f"optim.name={o.name!r}: only adamw is implemented")
+    _need(o.lr > 0, f"optim.lr={o.lr} must be > 0")
+    _need(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas),
+          f"optim.betas={list(o.betas)} must be two numbers in [0, 1)")
+    _need(o.schedule in ("cosine", "wsd", "constant"),
+          f"optim.schedule={o.schedule!r}: use cosine, wsd or constant")
+    _need(0 <= o.warmup_frac < 1, f"optim.warmup_frac={o.warmup_frac} must be in [0, 1)")
+    _need(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")
+    _need(0 < o.decay_frac <= 1, f"optim.decay_frac={o.decay_frac} must be in (0, 1]")
+    _need(o.grad_clip >= 0, f"optim.grad_clip={o.grad_clip} must be >= 0 (0 disables)")
+    _need(t.steps > 0, f"train.steps={t.steps} must be > 0")
+    _need(t.stop_at_step is None or 0 < t.stop_at_step <= t.steps,
+          f"train.stop_at_step={t.stop_at_step} must be in 1..train.steps={t.steps}")
+    _need(k.interval > 0, f"checkpoint.interval={k.interval} must be > 0")
+    _need(k.keep > 0, f"checkpoint.keep={k.keep} must be > 0 (the latest is always kept)")
+    _need(job.metrics.wandb_mode in ("auto", "online", "offline", "disabled"),
+          f"metrics.wandb_mode={job.metrics.wandb_mode!r}: use auto, online, offline or disabled")
+    rd = job.run_dir
+    _need(not rd.exists() or rd.is_dir(), f"run.dir={str(rd)!r} exists and is not a directory")
+    parent = rd.resolve().parent
+    while not parent.exists():
+        parent = parent.parent
+    _need(os.access(parent, os.W_OK), f"run.dir={str(rd)!r} is not writable; choose another")
+    return job
