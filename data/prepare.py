@@ -139,7 +139,7 @@ def prepare(inputs: Sequence[str | Path], output: str | Path, tokenizer: str | T
     fingerprint = {"tokenizer": tok.name, "vocab_size": tok.vocab_size, "dtype": dtype.name,
                    "eos_id": tok.eos_id, "shard_tokens": shard_tokens, "text_field": text_field,
                    "sources": [s.to_json() for s in sources]}
-    # The journal, rewritten after every file, holds only a digest of this (sources can be many).
+    # The journal, rewritten at every commit, holds only a digest of this (sources can be many).
     digest = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()
     journal = _check_output(out, digest, overwrite)
     created = not out.exists()

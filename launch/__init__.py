@@ -1,1 +1,1 @@
-"""launch: placeholder, filled by later issues."""
+"""Entry points: `launch/pretrain.py` (Hydra + torchrun) and SLURM templates under `launch/slurm/`."""

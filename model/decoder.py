@@ -100,20 +100,25 @@ class K3Model(nn.Module):
                 self.config.attn_res_eps)
         return self.norm(h)
 
-    def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None
-                ) -> torch.Tensor:
-        """Logits [B, T, vocab] (materialises them: use `loss` for training)."""
-        return self.lm_head(self.hidden_states(input_ids, cu_seqlens))
+    def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None):
+        """Without labels: logits [B, T, vocab] (materialised; for inspection and tests).
+
+        With labels: (sum of token cross-entropies, number of target tokens), labels -100
+        ignored, computed over chunks of tokens. The sum, not the mean, so the trainer can
+        divide by the global batch's token count. Training goes through here (not `loss`
+        helpers) so that wrappers' forward hooks (FSDP) run.
+        """
+        h = self.hidden_states(input_ids, cu_seqlens)
+        if labels is None:
+            return self.lm_head(h)
+        return chunked_cross_entropy(h.flatten(0, 1), self.lm_head.weight, labels.flatten(),
+                                     self.config.loss_chunk_tokens)
 
     def loss(self, input_ids: torch.Tensor, labels: torch.Tensor,
              cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sum of token cross-entropies, number of target tokens); labels -100 are ignored.
-
-        Return the sum, not the mean, so the trainer can divide by the global batch's tokens.
-        """
-        h = self.hidden_states(input_ids, cu_seqlens)
-        return chunked_cross_entropy(h.flatten(0, 1), self.lm_head.weight, labels.flatten(),
-                                     self.config.loss_chunk_tokens)
+        """(loss sum, target-token count): `self(input_ids, cu_seqlens, labels)`."""
+        return self(input_ids, cu_seqlens, labels=labels)
 
     def moe_layers(self) -> list[LatentMoE]:
         return [m for m in self.modules() if isinstance(m, LatentMoE)]

@@ -16,7 +16,7 @@ from model.config import ConfigError, ModelConfig
 
 @dataclass
 class RunConfig:
-    name: str = "k3-debug"
+    name: str | None = None  # default: k3-<model preset>
     dir: str | None = None  # default: outputs/<name>
 
 

@@ -13,6 +13,11 @@ pointed into the run directory, and the run id is kept in `wandb_run_id.txt`, so
 continues the same run (`resume="allow"`). W&B keeps its own history: after a resume it ignores
 re-logged steps at or below the last step it had, while metrics.jsonl is cut back by `start`.
 
+Plots (`log_images`, ~1-3 s on rank 0 at K3 size, 10-70 kB palette PNGs in run_dir/plots, also
+logged as `wandb.Image`): expert load / mean heatmap, AttnRes depth-weight heatmap, router-bias
+histograms (up to 8 evenly spaced MoE layers). matplotlib's object API with the Agg canvas is
+used, never pyplot, so no global backend is touched.
+
 Deliberately does not: reduce values across ranks, compute throughput, or decide when to log.
 """
 
@@ -262,7 +267,6 @@ class MetricsLogger:
 
 
 # --------------------------------------------------------------------------- figures
-# Built on matplotlib.figure.Figure (Agg canvas at savefig), never pyplot: no global state.
 def _tick_every(n: int, max_ticks: int) -> list[int]:
     return list(range(0, n, max(1, math.ceil(n / max_ticks))))
 
@@ -290,11 +294,11 @@ def _expert_load_figure(load: np.ndarray, step: int, ids: list[int] | None) -> A
     worst_txt = f"{peak[worst]:.2f} (layer {names[worst]})" if finite else "n/a (no tokens)"
     ax.set_title(f"Expert load / layer mean, step {step}: worst max/mean = {worst_txt}",
                  fontsize=10)
-    ax.set_xlabel("expert")
     ax.set_ylabel("decoder layer" if ids is not None else "MoE layer #")
     rows = _tick_every(len(load), 24)
     ax.set_yticks(rows, [str(names[r]) for r in rows], fontsize=7)
-    cbar = fig.colorbar(im, ax=ax, label="load / mean  (white = balanced ±5%, grey = no tokens)")
+    ax.set_xlabel("expert   (white: within 5% of the layer mean; grey: layer saw no tokens)")
+    cbar = fig.colorbar(im, ax=ax, label="load / mean", format="%g")
     cbar.ax.tick_params(labelsize=7)
     return fig
 
@@ -321,8 +325,8 @@ def _attnres_figure(weights: np.ndarray, labels: list[str], step: int) -> Any:
             ax.text(c, r, f"{v:.2f}", ha="center", va="center", fontsize=6,
                     color="black" if v > 0.6 * vmax else "white")
     ax.set_title(f"AttnRes depth weights (token mean), step {step}", fontsize=10)
-    ax.set_xlabel("source")
-    fig.colorbar(im, ax=ax, label="depth weight (each row sums to 1; grey = no such source)")
+    ax.set_xlabel("source   (grey: not yet a source of this mix)", fontsize=9)
+    fig.colorbar(im, ax=ax, label="depth weight (rows sum to 1)")
     return fig
 
 

@@ -118,6 +118,8 @@ def attnres_depth_weights(model: K3Model, input_ids: torch.Tensor,
                           ) -> tuple[np.ndarray, list[str]]:
     """(weights [n_mixes, max_sources] float64, row labels) from one forward on `input_ids`.
 
+    Keep the batch small (e.g. 2 x 256 tokens): the forward materialises the logits.
+
     Rows in forward order: each layer's attention-side mix (when it has snapshots: every layer
     but the first), its MLP-side mix, then "final". Column j holds the mean weight of source j
     (emb, block1, ...); the running prefix ("current") is always the last column; columns a mix
@@ -128,7 +130,7 @@ def attnres_depth_weights(model: K3Model, input_ids: torch.Tensor,
     model.eval()
     try:
         with record_mixes(model) as recorded:
-            model.hidden_states(input_ids, cu_seqlens)
+            model(input_ids, cu_seqlens)  # forward(), so FSDP's hooks gather the root's weights
     finally:
         for m, training in modes.items():
             m.training = training

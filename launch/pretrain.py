@@ -1,0 +1,97 @@
+"""Train a K3 model: `torchrun --nproc_per_node=N launch/pretrain.py +cluster=<name> [overrides]`.
+
+Composes `configs/` with Hydra (compose API: no per-rank output folders or log files), validates
+the whole job against the world size before any process group starts, then trains. Running the
+same command again resumes from the latest complete checkpoint in the run directory. A bad config
+prints one line naming the field and the fix, exits with code 2 and writes nothing.
+Extra flag: `--print-config` prints the resolved config and exits.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from hydra import compose, initialize_config_dir  # noqa: E402
+from hydra.core.config_store import ConfigStore  # noqa: E402
+from omegaconf import OmegaConf, open_dict  # noqa: E402
+
+from model.config import ConfigError  # noqa: E402
+from train.config import JobConfig, validate_job  # noqa: E402
+
+CONFIG_DIR = ROOT / "configs"
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    cause = e.__cause__
+    if cause is not None and str(cause) and str(cause) not in text:
+        text += " (" + " ".join(str(cause).split()) + ")"
+    return text
+
+
+def load_job(overrides: list[str], world_size: int) -> JobConfig:
+    """Compose and validate; raises ConfigError with a one-line message."""
+    ConfigStore.instance().store(name="job_schema", node=JobConfig)
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+            cfg = compose("config", overrides=overrides, return_hydra_config=True)
+        model_choice = cfg.hydra.runtime.choices.get("model", "model")
+        if "cluster" not in cfg.hydra.runtime.choices:
+            raise ConfigError("no cluster chosen; add +cluster=local_cpu (or +cluster=gpu_node8, "
+                              f"see {CONFIG_DIR / 'cluster'})")
+        with open_dict(cfg):
+            del cfg["hydra"]
+        job: JobConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+    except ConfigError:
+        raise
+    except Exception as e:  # Hydra/OmegaConf composition and type errors
+        raise ConfigError(_one_line(e)) from None
+    if job.run.name is None:
+        job.run.name = f"k3-{model_choice}"
+    return validate_job(job, world_size)
+
+
+def main(argv: list[str]) -> int:
+    from train.distributed import world_size_from_env
+
+    rank = int(os.environ.get("RANK", "0"))
+    print_config = "--print-config" in argv
+    overrides = [a for a in argv if a != "--print-config"]
+    try:
+        job = load_job(overrides, world_size_from_env())
+    except ConfigError as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    if print_config:
+        if rank == 0:
+            print(OmegaConf.to_yaml(OmegaConf.structured(job)))
+        return 0
+
+    from train.distributed import init_distributed, shutdown
+    from train.trainer import train
+
+    env = init_distributed(job.cluster.device, job.cluster.backend, job.cluster.timeout_s)
+    try:
+        train(job, env)
+    except ConfigError as e:  # checks that need the data or the run directory
+        if env.is_main:
+            print(f"error: {e}", file=sys.stderr)
+        shutdown(2)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        shutdown(1)
+    shutdown(0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,49 @@
+"""AdamW with K3's weight-decay exclusions, and the learning-rate schedules (cosine, WSD)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from train.config import OptimConfig
+
+
+def no_weight_decay(name: str, p: torch.Tensor) -> bool:
+    """Norm weights, gates' biases (dt_bias, A_log), AttnRes pseudo-queries: all vectors."""
+    return p.ndim < 2 or name.endswith("_res_proj.weight")
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (no_decay if no_weight_decay(name, p) else decay).append(p)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+
+
+def lr_factor(step: int, total: int, cfg: OptimConfig) -> float:
+    """Multiplier of optim.lr for the update at 0-based `step` of `total`."""
+    warmup = max(1, math.ceil(cfg.warmup_frac * total)) if cfg.warmup_frac > 0 else 0
+    if step < warmup:
+        return (step + 1) / warmup
+    if cfg.schedule == "constant":
+        return 1.0
+    lo = cfg.min_lr_ratio
+    if cfg.schedule == "cosine":
+        progress = (step - warmup) / max(1, total - warmup)
+        return lo + (1 - lo) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    decay_start = total - max(1, round(cfg.decay_frac * total))  # wsd: warmup, stable, decay
+    if step < decay_start:
+        return 1.0
+    progress = (step - decay_start + 1) / max(1, total - decay_start)
+    return 1.0 - (1.0 - lo) * min(1.0, progress)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, cfg: OptimConfig
+                    ) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s, total_steps, cfg))
