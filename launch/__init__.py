@@ -1,1 +1,1 @@
-"""Entry points: `launch/pretrain.py` (Hydra + torchrun) and SLURM templates under `launch/slurm/`."""
+"""Entry points: `launch/pretrain.py` (Hydra + torchrun) and SLURM templates in `launch/slurm/`."""

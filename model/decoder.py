@@ -48,6 +48,9 @@ class DecoderLayer(nn.Module):
         self.self_attention_res_proj = nn.Linear(d, 1, bias=False, device=device)
         self.mlp_res_norm = RMSNorm(d, eps, device)
         self.mlp_res_proj = nn.Linear(d, 1, bias=False, device=device)
+        if layer_idx == 0:  # nothing to mix before the first layer: K3 ships this pair unused
+            self.self_attention_res_norm.requires_grad_(False)
+            self.self_attention_res_proj.requires_grad_(False)
 
     @property
     def ffn(self) -> nn.Module:

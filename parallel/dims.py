@@ -35,8 +35,9 @@ class ParallelDims:
         if dp_shard == -1:
             if world_size % other:
                 raise ConfigError(
-                    f"world size {world_size} is not divisible by parallel.dp_replicate x tp x pp "
-                    f"x cp = {other}; change those or the number of processes")
+                    f"world size {world_size} is not divisible by parallel.dp_replicate="
+                    f"{pc.dp_replicate} x parallel.tp={pc.tp} x parallel.pp={pc.pp} x "
+                    f"parallel.cp={pc.cp} = {other}; change those or the number of processes")
             dp_shard = world_size // other
         if dp_shard < 1 or other * dp_shard != world_size:
             raise ConfigError(
@@ -56,7 +57,7 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     def validate_model(self, cfg: ModelConfig) -> None:
-        """Layout-vs-model checks with one-line errors (heads vs tp, layers vs pp, experts vs ep)."""
+        """Layout-vs-model checks, one-line errors (heads vs tp, layers vs pp, experts vs ep)."""
         for heads, field_name in ((cfg.kda_num_heads, "kda_num_heads"),
                                   (cfg.num_attention_heads, "num_attention_heads")):
             if heads % self.tp:

@@ -17,6 +17,7 @@ import os
 import random
 import re
 import shutil
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,13 @@ def set_rng_state(state: dict[str, Any]) -> None:
     if "cuda" in state and torch.cuda.is_available():
         raw = base64.b64decode(state["cuda"])
         torch.cuda.set_rng_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+
+
+def _fault_point(name: str, step: int) -> None:
+    """Fault injection for the crash tests: K3TRAIN_FAULT=<name>:<step> kills this process
+    (SIGKILL, as a node failure would) when it reaches that point of that step's save."""
+    if os.environ.get("K3TRAIN_FAULT") == f"{name}:{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -109,6 +117,7 @@ class Checkpointer:
             self._pending = (future, tmp, final)
         else:
             dcp.save(state, checkpoint_id=str(tmp))
+            _fault_point("before_publish", step)
             self._publish(tmp, final)
 
     def wait(self) -> None:

@@ -73,7 +73,7 @@ class TrainConfig:
     seed: int = 0
     stop_at_step: int | None = None  # end this run early (with a checkpoint); resume continues
     log_images_every: int = 50
-    activation_checkpointing: bool = False
+    log_sample_ids: bool = False  # record the global batch's sample ids in metrics.jsonl
 
 
 @dataclass

@@ -79,8 +79,8 @@ def resolve_wandb_mode(mode: str) -> str:
     return mode
 
 
-def _scalar(v: Any) -> float | int | str | bool | None:
-    if v is None or isinstance(v, (bool, int, float, str)):
+def _scalar(v: Any) -> float | int | str | bool | list | None:
+    if v is None or isinstance(v, (bool, int, float, str, list)):
         return v
     return v.item() if hasattr(v, "item") else float(v)  # numpy / torch scalars
 
@@ -231,7 +231,8 @@ class MetricsLogger:
             else:
                 print(line, flush=True)
         if self.wandb_run is not None:
-            self.wandb_run.log({k: v for k, v in values.items() if v is not None}, step=step)
+            self.wandb_run.log({k: v for k, v in values.items()
+                                if v is not None and not isinstance(v, list)}, step=step)
 
     def log_images(self, step: int, expert_load: np.ndarray, attnres_weights: np.ndarray,
                    attnres_labels: list[str], router_bias: np.ndarray,

@@ -82,11 +82,14 @@ def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
             state["tokens_seen"] += n_tokens
             dt = time.perf_counter() - t0
             tps = job.data.global_batch * job.data.seq_len / dt
-            metrics.log_step(state["step"], {
+            scalars = {
                 "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_sec": tps,
                 "mfu": mfu(tps / env.world_size, fpt, peak) if peak else None,
                 "step_time_s": dt, "tokens_seen": state["tokens_seen"],
-                "expert_load_max_over_mean": loads, **memory_stats(env.device)})
+                "expert_load_max_over_mean": loads, **memory_stats(env.device)}
+            if job.train.log_sample_ids:
+                scalars["sample_ids"] = _global_sample_ids(batches, env)
+            metrics.log_step(state["step"], scalars)
             if job.train.log_images_every and state["step"] % job.train.log_images_every == 0:
                 _log_images(model, metrics, state["step"], batches[0], env)
             _reset_expert_loads(model)
@@ -148,6 +151,14 @@ def balance_routers(model: K3Model) -> float | None:
     ratios = [float(r.expert_load.max()) / max(float(r.expert_load.float().mean()), 1e-9)
               for r in routers]
     return sum(ratios) / len(ratios)
+
+
+def _global_sample_ids(batches: list[dict], env: DistEnv) -> list[int]:
+    """This step's sample ids over all data ranks, in global-batch order (for resume checks)."""
+    local = torch.cat([b["sample_ids"] for b in batches]).to(env.device)
+    parts = [torch.empty_like(local) for _ in range(env.world_size)]  # world == dp (FSDP only)
+    dist.all_gather(parts, local)
+    return torch.cat(parts).tolist()
 
 
 def _reset_expert_loads(model: K3Model) -> None:

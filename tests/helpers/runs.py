@@ -1,0 +1,47 @@
+"""Run `launch/pretrain.py` the way a user does (torchrun for several ranks) and read its output."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# A small, fast job: debug model, short sequences, a small slice of the default corpus.
+FAST = ["data.seq_len=64", "data.global_batch=8", "data.micro_batch=2",
+        "data.stdlib_max_bytes=2000000", "metrics.wandb_mode=disabled",
+        "train.log_images_every=0", "train.log_sample_ids=true"]
+
+
+def pretrain(run_dir: Path, *overrides: str, nproc: int = 1, env: dict | None = None,
+             timeout: int = 300, check: bool = True) -> subprocess.CompletedProcess:
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={nproc}"]
+    else:
+        cmd = [sys.executable]
+    cmd += [str(ROOT / "launch" / "pretrain.py"), "+cluster=local_cpu", f"run.dir={run_dir}",
+            *FAST, *overrides]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    r = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True,
+                       timeout=timeout)
+    if check and r.returncode != 0:
+        raise AssertionError(f"pretrain failed ({r.returncode}):\n{r.stdout[-3000:]}\n"
+                             f"{r.stderr[-5000:]}")
+    return r
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {m["step"]: m["loss"] for m in metrics(run_dir)}
+
+
+def sample_ids(run_dir: Path) -> dict[int, list[int]]:
+    return {m["step"]: m["sample_ids"] for m in metrics(run_dir)}
