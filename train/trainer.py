@@ -34,7 +34,12 @@ from train.config import JobConfig
 from train.distributed import DistEnv
 from train.flops import flops_per_token, mfu, peak_flops
 from train.metrics import MetricsLogger, memory_stats
-from train.model_stats import attnres_depth_weights, expert_load_matrix, router_bias_matrix
+from train.model_stats import (
+    attnres_depth_weights,
+    expert_load_matrix,
+    moe_layer_indices,
+    router_bias_matrix,
+)
 from train.optim import build_optimizer, build_scheduler
 
 
@@ -175,7 +180,7 @@ def _log_images(model: K3Model, metrics: MetricsLogger, step: int, batch: dict,
         weights, labels = attnres_depth_weights(model, ids, cu)
     if env.is_main:
         metrics.log_images(step, expert_load_matrix(model), weights, labels,
-                           router_bias_matrix(model))
+                           router_bias_matrix(model), moe_layer_ids=moe_layer_indices(model))
 
 
 def _build_loader(job: JobConfig, env: DistEnv, dp_rank: int, dp: int) -> BatchLoader:

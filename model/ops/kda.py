@@ -190,6 +190,22 @@ def recurrent_kda(
 
 # ------------------------------------------------------------------------ chunked (UT transform)
 _INTRA_BUDGET = 1 << 21  # elements per [.., C, C, K] temporary (8 MiB fp32), see _intra_scores
+# Largest in-chunk decay span (nats) for which the factored matmul form is used: both factors stay
+# within exp(+-span/2), far inside the float range (fp32 max ~ e^88). K3's lower-bounded gate
+# (g >= -5) with 16-token chunks always qualifies, the same argument as fla's safe-gate kernels.
+_FACTOR_SPAN = {torch.float32: 60.0, torch.float64: 600.0}
+
+
+def _intra_scores_factored(q: Tensor, k: Tensor, G: Tensor) -> Tensor:
+    """Same result as `_intra_scores`, via exp(G_r - G_i) = exp(G_r - c) exp(c - G_i).
+
+    c is the middle of each chunk's decay range, so every factor is at most exp(span / 2): two
+    [C, K] x [K, C] matmuls per chunk instead of a [C, C, K] broadcast.
+    """
+    c = 0.5 * (G[..., :1, :] + G[..., -1:, :])  # [B, H, n, 1, K]
+    k_inv = k * (c - G).exp()  # [B, H, n, C(i), K]
+    rows = torch.stack([k, q], dim=2) * (G - c).exp().unsqueeze(2)  # [B, H, 2, n, C(r), K]
+    return (rows @ k_inv.unsqueeze(2).transpose(-1, -2)).movedim(2, -1)  # [B, H, n, C, C, 2]
 
 
 def _intra_scores(q: Tensor, k: Tensor, G: Tensor, causal: Tensor) -> Tensor:
@@ -232,10 +248,14 @@ def _chunk_fwd(
     # Intra-chunk part, all chunks at once. exp(G_r - G_i) is only used where i <= r; the upper
     # triangle (G_r - G_i > 0, could overflow) is clamped to 0 before exp and zeroed after.
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()  # [C(r), C(i)]
-    step = max(1, _INTRA_BUDGET // (B * H * C * C * K))  # chunks per [.., C, C, K] temporary
-    A = torch.cat([_intra_scores(q[:, :, s : s + step], k[:, :, s : s + step],
-                                 G[:, :, s : s + step], causal)
-                   for s in range(0, NT, step)], dim=2)  # [B, H, NT, C(r), C(i), 2]
+    span = float((G[..., 0, :] - G[..., -1, :]).detach().max()) if G.numel() else 0.0  # host sync
+    if span <= _FACTOR_SPAN.get(G.dtype, 0.0):
+        A = _intra_scores_factored(q, k, G) * causal.unsqueeze(-1).to(G.dtype)
+    else:  # strong decays (e.g. the unbounded softplus gate): the exact broadcast form
+        step = max(1, _INTRA_BUDGET // (B * H * C * C * K))  # chunks per [.., C, C, K] temporary
+        A = torch.cat([_intra_scores(q[:, :, s : s + step], k[:, :, s : s + step],
+                                     G[:, :, s : s + step], causal)
+                       for s in range(0, NT, step)], dim=2)  # [B, H, NT, C(r), C(i), 2]
     A_kk = b * A[..., 0].tril(-1)  # [B, H, NT, C, C] strictly lower, row r scaled by beta_r
     A_qk = A[..., 1]  # [B, H, NT, C, C] lower incl. diagonal (upper already zero)
 

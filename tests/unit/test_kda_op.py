@@ -12,7 +12,6 @@ from model.ops.kda import chunk_kda, chunk_kda_reference, kda_backend, recurrent
 F64 = torch.float64
 
 
-
 def make_inputs(
     B: int = 2, T: int = 100, H: int = 2, K: int = 16, V: int = 8, gate: str = "bounded",
     dtype: torch.dtype = F64, seed: int = 0, n_states: int | None = None,
@@ -230,3 +229,29 @@ def test_fla_dispatch_forwards_plain_arguments(monkeypatch: pytest.MonkeyPatch) 
     assert sorted(kwargs) == ["cu_seqlens", "initial_state", "output_final_state", "scale"]
     assert kwargs["scale"] == 0.3 and kwargs["output_final_state"] is True
     assert kwargs["initial_state"] is inp["initial_state"] and kwargs["cu_seqlens"] is cu
+
+
+@pytest.mark.parametrize("path", ["factored", "broadcast"])
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+def test_both_intra_chunk_paths_match_recurrence(monkeypatch: pytest.MonkeyPatch, path: str,
+                                                 dtype: torch.dtype) -> None:
+    """The factored matmul form (bounded decay span) and the broadcast form agree with the
+    recurrence, values and gradients; the span threshold decides which one runs."""
+    limit = {F64: 1e9, torch.float32: 1e9} if path == "factored" else {}
+    monkeypatch.setattr(kda_mod, "_FACTOR_SPAN", limit)
+    calls = []
+    real = kda_mod._intra_scores_factored
+    monkeypatch.setattr(kda_mod, "_intra_scores_factored",
+                        lambda *a: calls.append(1) or real(*a))
+    inp = make_inputs(T=50, gate="bounded", seed=3)  # g in (-5, 0): span <= 80 per 16 tokens
+    ref = {n: x.clone().requires_grad_() for n, x in inp.items()}
+    got = {n: x.to(dtype).detach().requires_grad_() for n, x in inp.items()}
+    o_ref, s_ref = run(recurrent_kda, ref)
+    o, s = run(chunk_kda_reference, got, chunk_size=16)
+    assert bool(calls) == (path == "factored")
+    tol = 1e-10 if dtype == F64 else 1e-4
+    assert max_err(o, o_ref) <= tol and max_err(s, s_ref) <= tol
+    (o_ref.sum() + s_ref.sum()).backward()
+    (o.double().sum() + s.double().sum()).backward()
+    for n in ref:
+        assert max_err(got[n].grad, ref[n].grad) <= tol * 10, n
