@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from data.dataset import IGNORE_INDEX
+from model.packing import cu_seqlens_from_doc_ids  # the model's document-boundary convention
 
 
 class SampleSource(Protocol):
@@ -35,15 +36,6 @@ class SampleSource(Protocol):
 def epoch_permutation(seed: int, epoch: int, num_samples: int) -> np.ndarray:
     """[num_samples] int64: the order of samples in `epoch`."""
     return np.random.default_rng([seed, epoch]).permutation(num_samples)
-
-
-def cu_seqlens_from_doc_ids(doc_ids_bt: torch.Tensor) -> torch.Tensor:
-    """[B, T] per-row document ids -> int32 [N+1] starts of every row and document, then B*T."""
-    B, T = doc_ids_bt.shape
-    starts_bt = torch.ones(B, T, dtype=torch.bool)
-    starts_bt[:, 1:] = doc_ids_bt[:, 1:] != doc_ids_bt[:, :-1]
-    starts = torch.nonzero(starts_bt.flatten()).flatten()  # [N] flat token offsets
-    return torch.cat([starts, torch.tensor([B * T])]).to(torch.int32)  # [N+1]
 
 
 def local_target_tokens(step_batches: list[dict]) -> int:

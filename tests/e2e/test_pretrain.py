@@ -85,3 +85,20 @@ def test_resume_on_another_world_size_consumes_the_same_samples(runs, name):
     flat = [i for s in range(1, 13) for i in got[s]]
     assert len(flat) == 12 * 8
     assert_losses_match(losses(runs[name]), losses(runs["C"]))
+
+
+def test_quantile_balancing_is_layout_independent(runs):
+    """Step 4's router biases: 2 ranks x 2 micro-batches == 1 rank x 4 micro-batches (hard-parts
+    §3: histograms summed over micro-batches and ranks, one update per step)."""
+    import torch
+
+    from train.export_hf import load_model
+
+    biases = {}
+    for name in ("A", "C"):
+        model, state = load_model(runs[name] / "checkpoints" / "step-00000004")
+        assert state["step"] == 4
+        biases[name] = torch.stack([m.gate.e_score_correction_bias for m in model.moe_layers()])
+        assert not any(m.gate.qb_counts.any() for m in model.moe_layers())  # cleared each step
+    assert biases["A"].abs().max() > 0  # QB has moved the biases
+    torch.testing.assert_close(biases["A"], biases["C"], rtol=0, atol=1e-5)
