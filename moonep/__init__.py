@@ -1,1 +1,33 @@
-"""moonep: placeholder, filled by later issues."""
+"""moonep: MoonEP-style expert parallelism with dynamic expert replicas.
+
+What: a per-step planner that, from all ranks' per-expert token counts, replicates hot experts onto
+other EP ranks so that every rank processes exactly its share of the (token, expert) pairs, with at
+most E/R replica slots per rank (`plan_replicas`), and the deterministic, contiguous mapping of
+pairs to (rank, GEMM group, row) (`assign_tokens`). `python -m moonep.simulate` runs the planner on
+synthetic skewed routing and reports balance and traffic.
+
+Deliberately not (yet): torch.distributed dispatch/combine, replica weight fetch and gradient
+reduce. This package never imports `model/` or `train/`.
+"""
+
+from moonep.planner import (
+    Assignment,
+    ReplicaPlan,
+    assign_tokens,
+    max_over_mean,
+    pair_traffic,
+    plan_replicas,
+    rank_targets,
+    static_load,
+)
+
+__all__ = [
+    "Assignment",
+    "ReplicaPlan",
+    "assign_tokens",
+    "max_over_mean",
+    "pair_traffic",
+    "plan_replicas",
+    "rank_targets",
+    "static_load",
+]

@@ -53,10 +53,9 @@ def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
     ckpt = Checkpointer(run_dir / "checkpoints", job.checkpoint.keep, env.rank,
                         async_save=job.checkpoint.async_save and env.device.type == "cuda")
     _check_same_model(job, ckpt, run_dir)
+    loader = _build_loader(job, env, dp_rank, dims.dp)  # may still reject the config
     if env.is_main:
         _save_resolved_config(job, run_dir)
-
-    loader = _build_loader(job, env, dp_rank, dims.dp)
     model = _build_sharded_model(job, env, mesh)
     optimizer = build_optimizer(model, job.optim)
     scheduler = build_scheduler(optimizer, job.train.steps, job.optim)
@@ -78,13 +77,13 @@ def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
         while state["step"] < stop:
             t0 = time.perf_counter()
             batches = loader.next_step()
-            loss, n_tokens, grad_norm = train_step(model, optimizer, batches, env, dims,
+            loss, _, grad_norm = train_step(model, optimizer, batches, env, dims,
                                                    job.optim.grad_clip)
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
             loads = balance_routers(model)
             state["step"] += 1
-            state["tokens_seen"] += n_tokens
+            state["tokens_seen"] += job.data.global_batch * job.data.seq_len
             dt = time.perf_counter() - t0
             tps = job.data.global_batch * job.data.seq_len / dt
             scalars = {
@@ -100,9 +99,14 @@ def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
             _reset_expert_loads(model)
             done = state["step"] == stop
             if job.checkpoint.enabled and (state["step"] % job.checkpoint.interval == 0 or done):
+                t_save = time.perf_counter()
                 ckpt.save(state["step"], model, optimizer, {
                     **state, "loader": loader.state_dict(), "scheduler": scheduler.state_dict(),
                     "model_config": asdict(job.model)})
+                if env.is_main:
+                    print(f"checkpoint step-{state['step']:08d} "
+                          f"{'started' if ckpt.async_save else 'saved'} in "
+                          f"{time.perf_counter() - t_save:.2f} s", flush=True)
         ckpt.wait()
     finally:
         metrics.close()
@@ -212,8 +216,9 @@ def _resume(ckpt: Checkpointer, path: Path, model, optimizer, scheduler, loader
     ts = ckpt.load(path, model, optimizer)
     scheduler.load_state_dict(ts["scheduler"])
     loader.load_state_dict(ts["loader"])
-    if int(path.name.split("-")[1]) != ts["step"]:
-        raise RuntimeError(f"checkpoint {path} says step {ts['step']}; refusing to resume")
+    if int(path.name.split("-")[1]) != ts["step"] or scheduler.last_epoch != ts["step"]:
+        raise RuntimeError(f"checkpoint {path} is inconsistent (train_state step {ts['step']}, "
+                           f"scheduler step {scheduler.last_epoch}); refusing to resume")
     return {"step": ts["step"], "tokens_seen": ts["tokens_seen"]}
 
 
