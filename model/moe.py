@@ -78,15 +78,16 @@ class RoutedExperts(nn.Module):
                  linear_beta: float, device: torch.device | None = None) -> None:
         super().__init__()
         self.beta, self.linear_beta = beta, linear_beta
+        self.gemm = grouped_mm  # `model.precision.apply_mxfp8` swaps in the MXFP8 grouped GEMM
         self.w1 = nn.Parameter(torch.empty(num_experts, intermediate, latent, device=device))
         self.w3 = nn.Parameter(torch.empty(num_experts, intermediate, latent, device=device))
         self.w2 = nn.Parameter(torch.empty(num_experts, latent, intermediate, device=device))
 
     def forward(self, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
         """x [R, l] rows grouped by expert; group_sizes [E] -> [R, l]."""
-        h = situ_glu(grouped_mm(x, self.w1, group_sizes), grouped_mm(x, self.w3, group_sizes),
+        h = situ_glu(self.gemm(x, self.w1, group_sizes), self.gemm(x, self.w3, group_sizes),
                      self.beta, self.linear_beta)  # [R, m]
-        return grouped_mm(h, self.w2, group_sizes)
+        return self.gemm(h, self.w2, group_sizes)
 
 
 class LatentMoE(nn.Module):

@@ -6,10 +6,16 @@ most E/R replica slots per rank (`plan_replicas`), and the deterministic, contig
 pairs to (rank, GEMM group, row) (`assign_tokens`). `python -m moonep.simulate` runs the planner on
 synthetic skewed routing and reports balance and traffic.
 
-Deliberately not (yet): torch.distributed dispatch/combine, replica weight fetch and gradient
-reduce. This package never imports `model/` or `train/`.
+`MoonEPDispatcher` (moonep/dispatch.py) is the expert-parallel dispatcher with the same
+dispatch/combine contract as `model.dispatch.LocalDispatcher`, and `gather_expert_weights` fetches
+replica weights differentiably (moonep/replicas.py): replica gradients are added into the home
+experts' gradients.
+
+Deliberately not: dedup of tokens per destination rank, communication/compute overlap, FSDP
+wiring. This package never imports `model/` or `train/`.
 """
 
+from moonep.dispatch import MoonEPDispatcher, MoonEPHandle, static_plan
 from moonep.planner import (
     Assignment,
     ReplicaPlan,
@@ -23,6 +29,8 @@ from moonep.planner import (
 
 __all__ = [
     "Assignment",
+    "MoonEPDispatcher",
+    "MoonEPHandle",
     "ReplicaPlan",
     "assign_tokens",
     "max_over_mean",
@@ -30,4 +38,5 @@ __all__ = [
     "plan_replicas",
     "rank_targets",
     "static_load",
+    "static_plan",
 ]

@@ -43,6 +43,16 @@ class ParallelConfig:
 
 
 @dataclass
+class PrecisionConfig:
+    gemm: str = "default"  # default (the cluster's param dtype) | mxfp8
+    mx_mode: str = "rceil"  # MX scale rounding: rceil (training default) | floor (OCP MX v1.0)
+    wgrad_hp: bool = False  # run the weight-gradient GEMMs unquantised
+    # which GEMMs go MXFP8: routed_experts, shared_experts, dense_mlp, attention
+    targets: list[str] = field(
+        default_factory=lambda: ["routed_experts", "shared_experts", "dense_mlp"])
+
+
+@dataclass
 class DataConfig:
     dataset: str = "stdlib"  # "stdlib" (embedded default corpus) or a prepared data directory
     tokenizer: str = "byte"  # "byte" or a path to a Hugging Face tokenizer.json
@@ -97,6 +107,7 @@ class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -148,6 +159,12 @@ def validate_job(job: JobConfig, world_size: int) -> JobConfig:
           "`python -m data.prepare <text files> --output <dir>` or use data.dataset=stdlib")
     _need(d.tokenizer == "byte" or Path(d.tokenizer).is_file(),
           f"data.tokenizer={d.tokenizer!r} is neither 'byte' nor an existing tokenizer.json")
+    p = job.precision
+    _need(p.gemm in ("default", "mxfp8"), f"precision.gemm={p.gemm!r}: use default or mxfp8")
+    _need(p.mx_mode in ("rceil", "floor"), f"precision.mx_mode={p.mx_mode!r}: use rceil or floor")
+    known = ("routed_experts", "shared_experts", "dense_mlp", "attention")
+    bad = [t for t in p.targets if t not in known]
+    _need(not bad, f"precision.targets has {bad}; choose from {list(known)}")
     _need(o.name == "adamw", f"optim.name={o.name!r}: only adamw is implemented")
     _need(o.lr > 0, f"optim.lr={o.lr} must be > 0")
     _need(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas),

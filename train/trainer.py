@@ -27,6 +27,8 @@ from model.build import build_model
 from model.config import ConfigError
 from model.decoder import K3Model
 from model.init import init_weights
+from model.ops.mx_linear import mx_backend
+from model.precision import apply_mxfp8
 from parallel.dims import ParallelDims
 from parallel.fsdp import apply_fsdp, dtensor_writer, set_gradient_sync, unsharded_root
 from train.checkpoint import Checkpointer
@@ -204,6 +206,12 @@ def _build_loader(job: JobConfig, env: DistEnv, dp_rank: int, dp: int) -> BatchL
 def _build_sharded_model(job: JobConfig, env: DistEnv, mesh) -> K3Model:
     """Build on meta, shard with FSDP2, then allocate and initialise only the local shards."""
     model = build_model(job.model, device="meta")
+    p = job.precision
+    if p.gemm == "mxfp8":
+        converted = apply_mxfp8(model, p.targets, p.mx_mode, p.wgrad_hp)
+        if env.is_main:
+            print(f"precision: MXFP8 ({mx_backend(env.device)} backend, {p.mx_mode}) on "
+                  f"{len(converted)} GEMM modules: {', '.join(p.targets)}", flush=True)
     apply_fsdp(model, mesh, job.cluster.param_dtype, job.cluster.reduce_dtype,
                job.parallel.reshard_after_forward)
     model.to_empty(device=env.device)
