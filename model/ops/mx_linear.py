@@ -7,10 +7,12 @@ own contraction axis, so X, W and dY each get two independently quantised copies
     wgrad  dW = Q_M(dY)^T · Q_M(X)       both along the tokens M (leading dims of x flattened)
 `wgrad_hp=True` runs the wgrad GEMM on unquantised dY and X (torchao MXFP8_RCEIL_WGRAD_WITH_HP).
 
-Backend: only the emulated one exists (fake-quantise with `model.ops.mx`, then a float32 GEMM;
-bf16 on CUDA, where cuBLAS accumulates in fp32). `mx_backend` is the dispatch point for a native
-`torch._scaled_mm` path on SM100+; that path is not written yet, so it runs the emulation too and
-says so in the log. Emulation is MX-exact up to the GEMM's accumulation order.
+Backends (`mx_backend`, logged once per device): "emulated" everywhere but SM100+ (fake-quantise
+with `model.ops.mx`, then a float32 GEMM; bf16 on CUDA, where cuBLAS accumulates in fp32), MX-exact
+up to accumulation order; "native" on SM100+, where the linears' three GEMMs run as
+`torch._scaled_mm` on e4m3 data with e8m0 scales in cuBLAS's blocked layout (`to_blocked_scales`)
+and a bf16 output. The native path is unverified here (no Blackwell machine); grouped expert
+GEMMs stay emulated on every device.
 
 Sizes that are not multiples of 32 along a quantised axis are zero-padded inside (see
 `pad_to_block`): zeros do not change a block's amax, so the real elements quantise as a partial
@@ -28,7 +30,7 @@ import logging
 import torch
 
 from model.ops.grouped_gemm import grouped_mm
-from model.ops.mx import BLOCK_SIZE, MODES, fake_quantize_mx, pad_to_block
+from model.ops.mx import BLOCK_SIZE, MODES, fake_quantize_mx, mx_quantize, pad_to_block
 
 log = logging.getLogger("k3train.mx")
 
@@ -42,10 +44,8 @@ def _backend_for(device_type: str, index: int | None) -> str:
             torch, "float8_e8m0fnu"
         )
     if native:
-        log.info(
-            "MXFP8 on %s:%s: native block-scaled _scaled_mm is available but not implemented; "
-            "running the emulated backend", device_type, index,
-        )
+        log.info("MXFP8 on %s:%s: native block-scaled torch._scaled_mm for linears (grouped "
+                 "expert GEMMs stay emulated)", device_type, index)
         return "native"
     log.info("MXFP8 on %s:%s: emulated backend (fake-quantise + GEMM)", device_type, index)
     return "emulated"
@@ -61,6 +61,44 @@ def _fq(t: torch.Tensor, dim: int, mode: str) -> torch.Tensor:
     """Fake-quantise along `dim`, zero-padding a partial last block (same shape and dtype out)."""
     padded, n = pad_to_block(t, BLOCK_SIZE, dim)
     return fake_quantize_mx(padded, dim, mode, BLOCK_SIZE).narrow(dim, 0, n)
+
+
+def to_blocked_scales(scale: torch.Tensor) -> torch.Tensor:
+    """cuBLAS block-scaling layout of an e8m0 scale matrix [rows, cols] (cols = K/32): padded to
+    (128, 4) tiles, each tile stored as 32 x 16 (4 interleaved 32-row bands), flattened."""
+    rows, cols = scale.shape
+    R, C = -(-rows // 128), -(-cols // 4)
+    padded = torch.zeros(R * 128, C * 4, dtype=torch.uint8, device=scale.device)
+    padded[:rows, :cols] = scale.view(torch.uint8)
+    tiles = padded.view(R, 128, C, 4).permute(0, 2, 1, 3)  # [R, C, 128, 4]
+    out = tiles.reshape(-1, 4, 32, 4).transpose(1, 2).reshape(-1, 32, 16)  # [R*C, 32, 16]
+    return out.flatten().view(torch.float8_e8m0fnu)
+
+
+def _native_mm_nt(a: torch.Tensor, b: torch.Tensor, mode: str) -> torch.Tensor:
+    """a [P, C] @ b [Q, C]^T with both operands MXFP8 along C, on SM100 tensor cores."""
+    P, Q = a.shape[0], b.shape[0]
+
+    def prep(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t, _ = pad_to_block(t.contiguous(), BLOCK_SIZE, -1)  # C -> multiple of 32
+        t = torch.nn.functional.pad(t, (0, 0, 0, (-t.shape[0]) % 128))  # rows -> multiple of 128
+        data, scale = mx_quantize(t, BLOCK_SIZE, -1, mode)
+        return data, to_blocked_scales(scale)
+
+    (qa, sa), (qb, sb) = prep(a), prep(b)
+    y = torch._scaled_mm(qa, qb.t(), sa, sb, out_dtype=torch.bfloat16)  # [P', Q']
+    return y[:P, :Q]
+
+
+def _mm_nt(a: torch.Tensor, b: torch.Tensor, mode: str) -> torch.Tensor:
+    """a [P, C] @ b [Q, C]^T, both quantised along their own last dim C (the contraction).
+
+    Every MX GEMM of a linear is this one primitive: fprop (x, w), dgrad (dy, w^T) and wgrad
+    (dy^T, x^T), so each operand is blocked along the axis its GEMM sums over.
+    """
+    if a.device.type == "cuda" and mx_backend(a.device) == "native":
+        return _native_mm_nt(a, b, mode).to(a.dtype)
+    return _fq(a, -1, mode) @ _fq(b, -1, mode).T
 
 
 def _check_mode(mode: str) -> None:
@@ -81,7 +119,7 @@ class _MXLinear(torch.autograd.Function):
         cdt = _compute_dtype(x, weight)
         x2 = x.reshape(-1, x.shape[-1]).to(cdt)  # [M, K]
         w = weight.to(cdt)  # [N, K]
-        y = _fq(x2, -1, mode) @ _fq(w, -1, mode).T  # [M, N], contraction over K
+        y = _mm_nt(x2, w, mode)  # [M, N], contraction over K
         ctx.save_for_backward(x2, w)
         ctx.wgrad_hp, ctx.mode = wgrad_hp, mode
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
@@ -94,13 +132,13 @@ class _MXLinear(torch.autograd.Function):
         dy2 = dy.reshape(-1, w.shape[0]).to(x2.dtype)  # [M, N]
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = _fq(dy2, -1, mode) @ _fq(w, 0, mode)  # [M, K], contraction over N
+            dx = _mm_nt(dy2, w.T, mode)  # [M, K], contraction over N
             dx = dx.reshape(ctx.x_shape).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
             if ctx.wgrad_hp:
                 dw = dy2.T @ x2  # [N, K]
             else:
-                dw = _fq(dy2, 0, mode).T @ _fq(x2, 0, mode)  # [N, K], contraction over M
+                dw = _mm_nt(dy2.T, x2.T, mode)  # [N, K], contraction over M
             dw = dw.to(ctx.w_dtype)
         return dx, dw, None, None
 
@@ -112,7 +150,7 @@ def mx_linear(
     _check_mode(mode)
     if x.shape[-1] != weight.shape[-1] or weight.ndim != 2:
         raise ValueError(f"mx_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} differ")
-    mx_backend(x.device)  # native path not implemented: both backends run the emulation
+    mx_backend(x.device)  # logs the backend once per device
     return _MXLinear.apply(x, weight, wgrad_hp, mode)
 
 
