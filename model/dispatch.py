@@ -8,6 +8,8 @@ expert-parallel one with the same contract:
 - the caller runs its grouped GEMM over (x_grouped, group_sizes)
 - combine(y_grouped [R, l], handle) -> [S, l] fp32: sum_k topk_weight[s, k] * y of (s, k),
   in the original token order, accumulated in fp32 and deterministic (no atomics).
+- expert_weights(handle, experts) -> (w1, w3, w2) with one [out, in] matrix per GEMM group: the
+  experts' own weights here; under expert parallelism the local shard plus fetched replicas.
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ class LocalDispatcher:
         x_grouped = x[order // k]  # [S*k, l]
         group_sizes = torch.bincount(flat, minlength=self.num_experts)  # [E]
         return x_grouped, group_sizes, LocalHandle(order, topk_weight.float(), S)
+
+    def expert_weights(self, handle: LocalHandle, experts: torch.nn.Module
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return experts.w1, experts.w3, experts.w2
 
     def combine(self, y: torch.Tensor, handle: LocalHandle) -> torch.Tensor:
         S, k = handle.topk_weight.shape

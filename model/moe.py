@@ -83,11 +83,16 @@ class RoutedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, intermediate, latent, device=device))
         self.w2 = nn.Parameter(torch.empty(num_experts, latent, intermediate, device=device))
 
-    def forward(self, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
-        """x [R, l] rows grouped by expert; group_sizes [E] -> [R, l]."""
-        h = situ_glu(self.gemm(x, self.w1, group_sizes), self.gemm(x, self.w3, group_sizes),
+    def forward(self, x: torch.Tensor, group_sizes: torch.Tensor,
+                weights: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+        """x [R, l] rows grouped by GEMM group; group_sizes [G] -> [R, l].
+
+        `weights` = (w1, w3, w2) per group when they are not this module's own [E, ...] stacks
+        (expert parallelism: local experts plus replicas, see `model.dispatch`)."""
+        w1, w3, w2 = weights if weights is not None else (self.w1, self.w3, self.w2)
+        h = situ_glu(self.gemm(x, w1, group_sizes), self.gemm(x, w3, group_sizes),
                      self.beta, self.linear_beta)  # [R, m]
-        return self.gemm(h, self.w2, group_sizes)
+        return self.gemm(h, w2, group_sizes)
 
 
 class LatentMoE(nn.Module):
@@ -114,7 +119,8 @@ class LatentMoE(nn.Module):
         topk_idx, topk_weight = self.gate(xs)
         x_latent = self.routed_expert_down_proj(xs)  # [S, l]
         x_grouped, group_sizes, handle = self.dispatcher.dispatch(x_latent, topk_idx, topk_weight)
-        y_grouped = self.experts(x_grouped, group_sizes)  # [R, l]
+        weights = self.dispatcher.expert_weights(handle, self.experts)
+        y_grouped = self.experts(x_grouped, group_sizes, weights)  # [R, l]
         u = self.dispatcher.combine(y_grouped, handle)  # [S, l] fp32
         if self.routed_expert_norm is not None:
             u = self.routed_expert_norm(u)

@@ -1,8 +1,10 @@
 """ParallelDims: the parallel layout of a job, validated against the world size and the model.
 
 Dense mesh dims follow torchtitan's order `[pp, dp_replicate, dp_shard, cp, tp]`. This version
-implements data parallelism (FSDP2 over dp_shard, HSDP when dp_replicate > 1); tp, pp, ep and cp
-are validated as layout numbers and rejected with a one-line error until they are implemented.
+implements data parallelism (FSDP2 over dp_shard, HSDP when dp_replicate > 1) and expert
+parallelism over the same ranks (ep = dp_shard: each rank owns E/ep experts, MoonEP dispatch);
+tp, pp and cp are validated as layout numbers and rejected with a one-line error until they are
+implemented.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from dataclasses import dataclass
 
 from model.config import ConfigError, ModelConfig
 
-IMPLEMENTED = {"tp": 1, "pp": 1, "ep": 1, "cp": 1}
+IMPLEMENTED = {"tp": 1, "pp": 1, "cp": 1}
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,13 @@ class ParallelDims:
         for name, supported in IMPLEMENTED.items():
             if getattr(dims, name) != supported:
                 raise ConfigError(f"parallel.{name}={getattr(dims, name)} is not implemented yet "
-                                  f"(data parallelism only for now); use parallel.{name}=1")
+                                  f"(data and expert parallelism only for now); use "
+                                  f"parallel.{name}=1")
+        if dims.ep > 1 and (dims.ep != dims.dp_shard or dims.dp_replicate != 1):
+            raise ConfigError(
+                f"parallel.ep={dims.ep} must equal parallel.dp_shard={dims.dp_shard} with "
+                f"dp_replicate=1 for now (experts sharded over all data ranks); use "
+                f"parallel.ep={dims.dp_shard} or parallel.ep=1")
         return dims
 
     @property
@@ -69,6 +77,10 @@ class ParallelDims:
         if cfg.num_experts % self.ep:
             raise ConfigError(f"parallel.ep={self.ep} does not divide model.num_experts="
                               f"{cfg.num_experts}; use a divisor of {cfg.num_experts}")
+
+    @property
+    def expert_parallel(self) -> bool:
+        return self.ep > 1
 
     def build_mesh(self, device_type: str):
         """The data-parallel DeviceMesh: 1-D [dp_shard], or 2-D [dp_replicate, dp_shard] (HSDP)."""

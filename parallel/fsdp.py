@@ -26,11 +26,16 @@ warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
 
 
 def apply_fsdp(model: nn.Module, mesh, param_dtype: str = "fp32", reduce_dtype: str = "fp32",
-               reshard_after_forward: bool = True) -> nn.Module:
+               reshard_after_forward: bool = True,
+               ignored_params: set[nn.Parameter] | None = None) -> nn.Module:
+    """`ignored_params`: parameters sharded by another scheme (expert parallelism)."""
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
+    kw = {"mesh": mesh, "mp_policy": mp, "reshard_after_forward": reshard_after_forward}
+    if ignored_params:
+        kw["ignored_params"] = ignored_params
     for layer in model.layers:  # type: ignore[union-attr]
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
     return model
 
 

@@ -39,6 +39,7 @@ class ParallelConfig:
     pp: int = 1
     ep: int = 1
     cp: int = 1
+    ep_replicas: bool = True  # MoonEP dynamic expert replicas (every EP rank gets the same load)
     reshard_after_forward: bool = True
 
 

@@ -30,6 +30,12 @@ from model.init import init_weights
 from model.ops.mx_linear import mx_backend
 from model.precision import apply_mxfp8
 from parallel.dims import ParallelDims
+from parallel.expert_parallel import (
+    apply_expert_parallel,
+    ep_load_metrics,
+    expert_parameters,
+    finalize_expert_grads,
+)
 from parallel.fsdp import apply_fsdp, dtensor_writer, set_gradient_sync, unsharded_root
 from train.checkpoint import Checkpointer
 from train.config import JobConfig
@@ -58,7 +64,7 @@ def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
     loader = _build_loader(job, env, dp_rank, dims.dp)  # may still reject the config
     if env.is_main:
         _save_resolved_config(job, run_dir)
-    model = _build_sharded_model(job, env, mesh)
+    model = _build_sharded_model(job, env, mesh, dims)
     optimizer = build_optimizer(model, job.optim)
     scheduler = build_scheduler(optimizer, job.train.steps, job.optim)
     state: dict[str, Any] = {"step": 0, "tokens_seen": 0}
@@ -78,6 +84,7 @@ def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
     try:
         while state["step"] < stop:
             t0 = time.perf_counter()
+            ep_load_metrics(model)  # drop dispatches outside training steps (image forwards)
             batches = loader.next_step()
             loss, _, grad_norm = train_step(model, optimizer, batches, env, dims,
                                                    job.optim.grad_clip)
@@ -92,7 +99,8 @@ def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
                 "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_sec": tps,
                 "mfu": mfu(tps / env.world_size, fpt, peak) if peak else None,
                 "step_time_s": dt, "tokens_seen": state["tokens_seen"],
-                "expert_load_max_over_mean": loads, **memory_stats(env.device)}
+                "expert_load_max_over_mean": loads, **ep_load_metrics(model),
+                **memory_stats(env.device)}
             if job.train.log_sample_ids:
                 scalars["sample_ids"] = _global_sample_ids(batches, env)
             metrics.log_step(state["step"], scalars)
@@ -133,6 +141,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches
         (s * scale).backward()
         loss_sum += s.detach().double()
     dist.all_reduce(loss_sum)
+    finalize_expert_grads(getattr(model, "expert_params", set()), dims.dp)
     max_norm = grad_clip if grad_clip > 0 else float("inf")
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
@@ -203,9 +212,13 @@ def _build_loader(job: JobConfig, env: DistEnv, dp_rank: int, dp: int) -> BatchL
     return BatchLoader(dataset, d.global_batch, d.micro_batch, dp_rank, dp, d.seed)
 
 
-def _build_sharded_model(job: JobConfig, env: DistEnv, mesh) -> K3Model:
-    """Build on meta, shard with FSDP2, then allocate and initialise only the local shards."""
+def _build_sharded_model(job: JobConfig, env: DistEnv, mesh, dims: ParallelDims) -> K3Model:
+    """Build on meta, shard (experts by EP, the rest by FSDP2), then allocate and initialise
+    only the local shards. The expert parameters are kept in `model.expert_params`."""
     model = build_model(job.model, device="meta")
+    expert_params: set = set()
+    if dims.expert_parallel:
+        expert_params = apply_expert_parallel(model, mesh, job.parallel.ep_replicas)
     p = job.precision
     if p.gemm == "mxfp8":
         converted = apply_mxfp8(model, p.targets, p.mx_mode, p.wgrad_hp)
@@ -213,9 +226,10 @@ def _build_sharded_model(job: JobConfig, env: DistEnv, mesh) -> K3Model:
             print(f"precision: MXFP8 ({mx_backend(env.device)} backend, {p.mx_mode}) on "
                   f"{len(converted)} GEMM modules: {', '.join(p.targets)}", flush=True)
     apply_fsdp(model, mesh, job.cluster.param_dtype, job.cluster.reduce_dtype,
-               job.parallel.reshard_after_forward)
+               job.parallel.reshard_after_forward, ignored_params=expert_params)
     model.to_empty(device=env.device)
     init_weights(model, job.train.seed, write=dtensor_writer)
+    model.expert_params = expert_parameters(model) if expert_params else set()
     return model
 
 

@@ -12,6 +12,7 @@ from tests.helpers.runs import losses, pretrain
 @pytest.mark.parametrize("override, field", [
     ("data.global_batch=7", "data.global_batch"),
     ("parallel.tp=3", "parallel.tp"),
+    ("parallel.ep=2", "parallel.ep"),
     ("train.stepz=3", "train.stepz"),
     ("model.num_experts_per_token=99", "num_experts_per_token"),
     ("optim.schedule=linear", "optim.schedule"),
