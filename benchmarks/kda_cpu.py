@@ -7,6 +7,7 @@ w.r.t. q, k, v, g, beta. fp32, B=1, T=2048, best of a few runs after a warm-up.
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -32,7 +33,8 @@ def best_ms(fn: Callable[[], object], repeats: int) -> float:
     return min(times)
 
 
-def bench(B: int, T: int, H: int, D: int, repeats: int = 3) -> dict[str, float | int]:
+def bench(B: int, T: int, H: int, D: int, chunk_size: int = 64, repeats: int = 3
+          ) -> dict[str, float | int]:
     gen = torch.Generator().manual_seed(0)
     q = F.normalize(torch.randn(B, T, H, D, generator=gen), dim=-1)
     k = F.normalize(torch.randn(B, T, H, D, generator=gen), dim=-1)
@@ -42,9 +44,9 @@ def bench(B: int, T: int, H: int, D: int, repeats: int = 3) -> dict[str, float |
     inputs = (q, k, v, g, beta)
 
     with torch.no_grad():
-        chunk_ms = best_ms(lambda: chunk_kda_reference(*inputs), repeats)
+        chunk_ms = best_ms(lambda: chunk_kda_reference(*inputs, chunk_size=chunk_size), repeats)
         rec_ms = best_ms(lambda: recurrent_kda(*inputs), repeats)
-        o_c, _ = chunk_kda_reference(*inputs)
+        o_c, _ = chunk_kda_reference(*inputs, chunk_size=chunk_size)
         o_r, _ = recurrent_kda(*inputs)
 
     def fwd_bwd(fn: Callable[..., tuple[torch.Tensor, object]]) -> None:
@@ -52,11 +54,12 @@ def bench(B: int, T: int, H: int, D: int, repeats: int = 3) -> dict[str, float |
         o, _ = fn(*leaves)
         o.square().sum().backward()
 
-    chunk_fb_ms = best_ms(lambda: fwd_bwd(chunk_kda_reference), repeats)
+    chunk_fb_ms = best_ms(lambda: fwd_bwd(functools.partial(chunk_kda_reference,
+                                                            chunk_size=chunk_size)), repeats)
     rec_fb_ms = best_ms(lambda: fwd_bwd(recurrent_kda), 1)
 
     return {
-        "B": B, "T": T, "H": H, "K": D, "V": D,
+        "B": B, "T": T, "H": H, "K": D, "V": D, "chunk_size": chunk_size,
         "chunk_fwd_ms": round(chunk_ms, 2),
         "recurrent_fwd_ms": round(rec_ms, 2),
         "speedup_fwd": round(rec_ms / chunk_ms, 2),
@@ -68,9 +71,10 @@ def bench(B: int, T: int, H: int, D: int, repeats: int = 3) -> dict[str, float |
 
 
 def main() -> None:
-    results = [bench(1, 2048, 4, 64), bench(1, 2048, 2, 128)]
+    # K3's lower-bounded gate: chunk 16 takes the factored matmul path, chunk 64 the broadcast one
+    results = [bench(1, 2048, 4, 64, c) for c in (16, 64)] + [bench(1, 2048, 2, 128, 16)]
     print(json.dumps({"bench": "kda_cpu", "dtype": "float32", "threads": torch.get_num_threads(),
-                      "chunk_size": 64, "results": results}))
+                      "gate": "lower_bound_-5", "results": results}))
 
 
 if __name__ == "__main__":
