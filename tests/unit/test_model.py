@@ -1,7 +1,6 @@
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -39,11 +38,11 @@ def test_inspect_bad_preset_is_one_line_error():
 
 
 @pytest.mark.parametrize("name", preset_names())
-def test_every_preset_builds_on_meta_in_seconds(name):
-    t0 = time.perf_counter()
+def test_every_preset_builds_on_meta(name):
+    """(The build time is reported by `python -m model.inspect`, not asserted here.)"""
     model = build_model(name, device="meta")
-    assert time.perf_counter() - t0 < 30
     assert all(p.is_meta for p in model.parameters())
+    assert sum(p.numel() for p in model.parameters()) > 0
 
 
 def test_meta_materialisation_gives_identical_weights():
