@@ -87,7 +87,7 @@ def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
             ep_load_metrics(model)  # drop dispatches outside training steps (image forwards)
             batches = loader.next_step()
             loss, _, grad_norm = train_step(model, optimizer, batches, env, dims,
-                                                   job.optim.grad_clip)
+                                            job.optim.grad_clip)
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
             loads = balance_routers(model)
