@@ -17,8 +17,7 @@ import numpy as np
 import torch
 
 from data.shards import MANIFEST, read_json
-
-IGNORE_INDEX = -100
+from model.loss import IGNORE_INDEX  # the label the model ignores
 
 
 def load_manifest(folder: str | Path) -> dict:

@@ -14,14 +14,12 @@ from __future__ import annotations
 import base64
 import json
 import os
-import random
 import re
 import shutil
 import signal
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -41,8 +39,8 @@ def _b64(t: torch.Tensor) -> str:
 
 
 def rng_state() -> dict[str, Any]:
-    state = {"torch": _b64(torch.get_rng_state()), "python": repr(random.getstate()),
-             "numpy": repr(np.random.get_state()[1].tolist()[:4])}  # numpy is unused; recorded
+    # torch generators only: the model and the data loader draw from no other RNG
+    state = {"torch": _b64(torch.get_rng_state())}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = _b64(torch.cuda.get_rng_state())
     return state
