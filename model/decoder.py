@@ -24,7 +24,7 @@ from model.mla import GatedMLA
 from model.mlp import SiTUMLP
 from model.moe import LatentMoE
 from model.norms import RMSNorm
-from model.packing import Packing
+from model.packing import Packing, cu_seqlens_from_doc_ids
 
 
 class DecoderLayer(nn.Module):
@@ -83,25 +83,61 @@ class K3Model(nn.Module):
         self.config = cfg
         d = cfg.hidden_size
         self.embed_tokens = nn.Embedding(cfg.vocab_size, d, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, device)
-                                    for i in range(cfg.num_hidden_layers))
+        # keyed by the global layer index, so a pipeline stage that keeps only some layers keeps
+        # their names (and checkpoints load into any layout)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, device)
+                                     for i in range(cfg.num_hidden_layers)})
         self.output_attn_res_norm = RMSNorm(d, cfg.rms_norm_eps, device)
         self.output_attn_res_proj = nn.Linear(d, 1, bias=False, device=device)
         self.norm = RMSNorm(d, cfg.rms_norm_eps, device)
         self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False, device=device)
 
+    def embed(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids [B, T] -> the initial AttnRes state (prefix [B, T, d], blocks [0, B, T, d])."""
+        prefix = self.embed_tokens(input_ids)
+        return prefix, prefix.new_zeros((0, *prefix.shape))
+
+    def run_layers(self, prefix: torch.Tensor, blocks: torch.Tensor, packing: Packing,
+                   layer_ids: list[str] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the decoder layers `layer_ids` (default: all this module holds) in order."""
+        for key in self.layers if layer_ids is None else layer_ids:
+            prefix, blocks = self.layers[key](prefix, blocks, packing)
+        return prefix, blocks
+
+    def final_hidden(self, prefix: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """The output AttnRes mix and final norm: the LM head's input [B, T, d]."""
+        h = mix(prefix, blocks, self.output_attn_res_norm, self.output_attn_res_proj,
+                self.config.attn_res_eps)
+        return self.norm(h)
+
     def hidden_states(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None
                       ) -> torch.Tensor:
         """input_ids [B, T] -> final normalised hidden states [B, T, d]."""
         B, T = input_ids.shape
-        packing = Packing(B, T, input_ids.device, cu_seqlens)
-        prefix = self.embed_tokens(input_ids)  # [B, T, d]
-        blocks = prefix.new_zeros((0, B, T, prefix.shape[-1]))  # [0, B, T, d]
-        for layer in self.layers:
-            prefix, blocks = layer(prefix, blocks, packing)
-        h = mix(prefix, blocks, self.output_attn_res_norm, self.output_attn_res_proj,
-                self.config.attn_res_eps)
-        return self.norm(h)
+        prefix, blocks = self.embed(input_ids)
+        prefix, blocks = self.run_layers(prefix, blocks, Packing(B, T, input_ids.device,
+                                                                 cu_seqlens))
+        return self.final_hidden(prefix, blocks)
+
+    def forward_stage(self, *inputs: torch.Tensor, doc_ids: torch.Tensor,
+                      labels: torch.Tensor | None = None, layer_ids: list[str] | None = None,
+                      first: bool = False, last: bool = False):
+        """One pipeline stage: (input_ids,) if `first` else (prefix, blocks) -> (prefix, blocks),
+        or the loss sum if `last`. Document boundaries come as `doc_ids` [B, T] (they split
+        along the batch like every other micro-batch tensor, unlike cu_seqlens)."""
+        B, T = doc_ids.shape
+        packing = Packing(B, T, doc_ids.device, cu_seqlens_from_doc_ids(doc_ids))
+        prefix, blocks = self.embed(inputs[0]) if first else inputs
+        prefix, blocks = self.run_layers(prefix, blocks, packing, layer_ids)
+        if not last:
+            return prefix, blocks
+        return self.loss_from_hidden(self.final_hidden(prefix, blocks), labels)[0]
+
+    def loss_from_hidden(self, h: torch.Tensor, labels: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss sum, target-token count) of the LM head on final hidden states."""
+        return chunked_cross_entropy(h.flatten(0, 1), self.lm_head.weight, labels.flatten(),
+                                     self.config.loss_chunk_tokens)
 
     def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None):
@@ -115,8 +151,7 @@ class K3Model(nn.Module):
         h = self.hidden_states(input_ids, cu_seqlens)
         if labels is None:
             return self.lm_head(h)
-        return chunked_cross_entropy(h.flatten(0, 1), self.lm_head.weight, labels.flatten(),
-                                     self.config.loss_chunk_tokens)
+        return self.loss_from_hidden(h, labels)
 
     def loss(self, input_ids: torch.Tensor, labels: torch.Tensor,
              cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -45,7 +45,7 @@ def describe(name: str) -> dict[str, Any]:
     counts = count_params(model)
     snaps = cfg.attn_res_snapshot_layers
     by_type: dict[str, int] = {}
-    for layer in model.layers:
+    for layer in model.layers.values():
         n = sum(p.numel() for p in layer.self_attn.parameters())
         by_type[layer.layer_type] = n
     return {

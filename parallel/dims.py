@@ -1,10 +1,11 @@
 """ParallelDims: the parallel layout of a job, validated against the world size and the model.
 
-Dense mesh dims follow torchtitan's order `[pp, dp_replicate, dp_shard, cp, tp]`. This version
-implements data parallelism (FSDP2 over dp_shard, HSDP when dp_replicate > 1) and expert
-parallelism over the same ranks (ep = dp_shard: each rank owns E/ep experts, MoonEP dispatch);
-tp, pp and cp are validated as layout numbers and rejected with a one-line error until they are
-implemented.
+Dense mesh dims follow torchtitan's order `[pp, dp_replicate, dp_shard, tp]` (context
+parallelism, `cp`, is reserved and must be 1). Data parallelism is FSDP2 over dp_shard (HSDP
+when dp_replicate > 1); tensor parallelism shards heads and MLP columns with sequence
+parallelism between them (`parallel.tensor_parallel`); pipeline parallelism splits the layers
+into stages (`parallel.pipeline`); expert parallelism shards routed experts over the dp_shard
+ranks (ep = dp_shard) with MoonEP dispatch. Every check is a one-line error naming the field.
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ from dataclasses import dataclass
 
 from model.config import ConfigError, ModelConfig
 
-IMPLEMENTED = {"tp": 1, "pp": 1, "cp": 1}
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
+             "ZBVZeroBubble")
+MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
+                         "ZBVZeroBubble")
 
 
 @dataclass(frozen=True)
@@ -25,6 +29,8 @@ class ParallelDims:
     ep: int
     cp: int
     world_size: int
+    pp_schedule: str = "1F1B"
+    pp_virtual_stages: int = 1
 
     @classmethod
     def from_config(cls, pc, world_size: int) -> ParallelDims:
@@ -46,12 +52,27 @@ class ParallelDims:
                 f"parallel dims dp_replicate={pc.dp_replicate} x dp_shard={dp_shard} x tp={pc.tp} "
                 f"x pp={pc.pp} x cp={pc.cp} = {other * dp_shard} != world size {world_size}; "
                 "set parallel.dp_shard=-1 to derive it")
-        dims = cls(pc.dp_replicate, dp_shard, pc.tp, pc.pp, pc.ep, pc.cp, world_size)
-        for name, supported in IMPLEMENTED.items():
-            if getattr(dims, name) != supported:
-                raise ConfigError(f"parallel.{name}={getattr(dims, name)} is not implemented yet "
-                                  f"(data and expert parallelism only for now); use "
-                                  f"parallel.{name}=1")
+        schedule = getattr(pc, "pp_schedule", "1F1B")
+        virtual = getattr(pc, "pp_virtual_stages", 1)
+        dims = cls(pc.dp_replicate, dp_shard, pc.tp, pc.pp, pc.ep, pc.cp, world_size,
+                   schedule, virtual)
+        if dims.cp != 1:
+            raise ConfigError(f"parallel.cp={dims.cp}: context parallelism is not implemented; "
+                              "use parallel.cp=1")
+        if schedule not in SCHEDULES:
+            raise ConfigError(f"parallel.pp_schedule={schedule!r}: choose one of {list(SCHEDULES)}")
+        if not isinstance(virtual, int) or virtual < 1:
+            raise ConfigError(f"parallel.pp_virtual_stages={virtual!r} must be a positive integer")
+        multi = schedule in MULTI_STAGE_SCHEDULES
+        if dims.pp > 1 and multi and virtual < 2:
+            raise ConfigError(f"parallel.pp_schedule={schedule} runs several stages per rank; "
+                              "set parallel.pp_virtual_stages=2 (or more)")
+        if dims.pp > 1 and not multi and virtual != 1:
+            raise ConfigError(f"parallel.pp_schedule={schedule} runs one stage per rank; use "
+                              "parallel.pp_virtual_stages=1 or an interleaved schedule")
+        if schedule == "ZBVZeroBubble" and dims.pp > 1 and virtual != 2:
+            raise ConfigError("parallel.pp_schedule=ZBVZeroBubble needs "
+                              "parallel.pp_virtual_stages=2 (the V shape)")
         if dims.ep > 1 and (dims.ep != dims.dp_shard or dims.dp_replicate != 1):
             raise ConfigError(
                 f"parallel.ep={dims.ep} must equal parallel.dp_shard={dims.dp_shard} with "
@@ -64,29 +85,72 @@ class ParallelDims:
         """Data-parallel degree: ranks that see different samples."""
         return self.dp_replicate * self.dp_shard
 
-    def validate_model(self, cfg: ModelConfig) -> None:
+    @property
+    def num_stages(self) -> int:
+        return self.pp * (self.pp_virtual_stages if self.pp > 1 else 1)
+
+    @property
+    def expert_parallel(self) -> bool:
+        return self.ep > 1
+
+    def validate_model(self, cfg: ModelConfig, seq_len: int | None = None,
+                       microbatches: int | None = None) -> None:
         """Layout-vs-model checks, one-line errors (heads vs tp, layers vs pp, experts vs ep)."""
         for heads, field_name in ((cfg.kda_num_heads, "kda_num_heads"),
                                   (cfg.num_attention_heads, "num_attention_heads")):
             if heads % self.tp:
                 raise ConfigError(f"parallel.tp={self.tp} does not divide model.{field_name}="
                                   f"{heads}; use a divisor of {heads}")
-        if cfg.num_hidden_layers < self.pp:
-            raise ConfigError(f"parallel.pp={self.pp} exceeds model.num_hidden_layers="
-                              f"{cfg.num_hidden_layers}")
+        for width, field_name in ((cfg.intermediate_size, "intermediate_size"),
+                                  (cfg.num_shared_experts * cfg.moe_intermediate_size,
+                                   "num_shared_experts x moe_intermediate_size")):
+            if width and width % self.tp:
+                raise ConfigError(f"parallel.tp={self.tp} does not divide model.{field_name}="
+                                  f"{width}; use a divisor")
+        if seq_len is not None and seq_len % self.tp:
+            raise ConfigError(f"data.seq_len={seq_len} is not divisible by parallel.tp={self.tp} "
+                              "(sequence parallelism splits each row); use a multiple")
+        if cfg.num_hidden_layers < self.num_stages:
+            raise ConfigError(f"parallel.pp={self.pp} x pp_virtual_stages="
+                              f"{self.pp_virtual_stages} = {self.num_stages} stages exceeds "
+                              f"model.num_hidden_layers={cfg.num_hidden_layers}")
+        if self.pp > 1 and microbatches is not None and microbatches < self.pp:
+            raise ConfigError(f"{microbatches} micro-batches per step < parallel.pp={self.pp} "
+                              "pipeline stages; lower data.micro_batch or raise "
+                              "data.global_batch")
         if cfg.num_experts % self.ep:
             raise ConfigError(f"parallel.ep={self.ep} does not divide model.num_experts="
                               f"{cfg.num_experts}; use a divisor of {cfg.num_experts}")
 
-    @property
-    def expert_parallel(self) -> bool:
-        return self.ep > 1
-
-    def build_mesh(self, device_type: str):
-        """The data-parallel DeviceMesh: 1-D [dp_shard], or 2-D [dp_replicate, dp_shard] (HSDP)."""
+    def build_meshes(self, device_type: str) -> Meshes:
+        """The world mesh [pp, dp_replicate, dp_shard, tp] and its named slices."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        if self.dp_replicate > 1:
-            return init_device_mesh(device_type, (self.dp_replicate, self.dp_shard),
-                                    mesh_dim_names=("dp_replicate", "dp_shard"))
-        return init_device_mesh(device_type, (self.dp_shard,), mesh_dim_names=("dp_shard",))
+        world = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp),
+                                 mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
+        dp = world["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else world["dp_shard"]
+        dp_flat = world["dp_replicate", "dp_shard"]._flatten("dp")
+        batch = world["dp_replicate", "dp_shard", "tp"]._flatten("dp_tp")
+        dp_rank = dp_flat.get_local_rank()
+        return Meshes(world=world, dp=dp, tp=world["tp"] if self.tp > 1 else None,
+                      pp=world["pp"] if self.pp > 1 else None,
+                      ep=world["dp_shard"] if self.ep > 1 else None,
+                      dp_group=dp_flat.get_group(), batch_group=batch.get_group(),
+                      dp_rank=dp_rank, pp_rank=world.get_local_rank("pp"))
+
+
+@dataclass
+class Meshes:
+    """`dp`: FSDP's mesh (1-D, or 2-D for HSDP). `dp_group`: ranks that see different samples
+    (token counts, sample ids). `batch_group`: every rank that holds the same layers but other
+    tokens (dp x tp under sequence parallelism): loss sums and Quantile-Balancing statistics."""
+
+    world: object
+    dp: object
+    tp: object | None
+    pp: object | None
+    ep: object | None
+    dp_group: object
+    batch_group: object
+    dp_rank: int
+    pp_rank: int

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+from model.moe import in_recomputation
 from moonep import MoonEPDispatcher, max_over_mean, static_load
 
 EXPERT_PARAMS = ("w1", "w3", "w2")
@@ -36,6 +37,8 @@ class ExpertParallelDispatcher:
 
     def dispatch(self, x, topk_idx, topk_weight):
         x_grouped, sizes, handle = self.inner.dispatch(x, topk_idx, topk_weight)
+        if in_recomputation():  # activation-checkpoint recompute: already counted
+            return x_grouped, sizes, handle
         plan = handle.plan
         self.load_stats[0] += max_over_mean(static_load(plan.alloc.sum(1), plan.num_ranks))
         self.load_stats[1] += max_over_mean(plan.rank_load)
@@ -51,14 +54,19 @@ class ExpertParallelDispatcher:
         return self.inner.gather_expert_weights(handle, *local)
 
 
-def apply_expert_parallel(model: nn.Module, mesh, replicas: bool = True) -> set[nn.Parameter]:
-    """Shard routed experts over `mesh` (1-D, the EP ranks); returns the expert parameters."""
+def apply_expert_parallel(model: nn.Module, mesh, replicas: bool = True,
+                          param_mesh=None) -> set[nn.Parameter]:
+    """Shard routed experts over `mesh` (1-D, the EP ranks); returns the expert parameters.
+
+    `param_mesh`: under tensor parallelism, the 2-D mesh (ep, tp) the expert DTensors live on,
+    replicated over tp (each tp rank routes its own sequence slice through the same experts)."""
     params: set[nn.Parameter] = set()
+    placements = [Shard(0)] if param_mesh is None else [Shard(0), Replicate()]
     for moe in model.moe_layers():  # type: ignore[union-attr]
         experts = moe.experts
         for name in EXPERT_PARAMS:
             p = getattr(experts, name)
-            sharded = nn.Parameter(distribute_tensor(p.data, mesh, [Shard(0)],
+            sharded = nn.Parameter(distribute_tensor(p.data, param_mesh or mesh, placements,
                                                      src_data_rank=None))
             setattr(experts, name, sharded)
             params.add(sharded)

@@ -29,14 +29,22 @@ def apply_fsdp(model: nn.Module, mesh, param_dtype: str = "fp32", reduce_dtype: 
                reshard_after_forward: bool = True,
                ignored_params: set[nn.Parameter] | None = None) -> nn.Module:
     """`ignored_params`: parameters sharded by another scheme (expert parallelism)."""
+    kw = fsdp_kwargs(mesh, param_dtype, reduce_dtype, reshard_after_forward, ignored_params)
+    for layer in model.layers.values():  # type: ignore[union-attr]
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def fsdp_kwargs(mesh, param_dtype: str = "fp32", reduce_dtype: str = "fp32",
+                reshard_after_forward: bool = True,
+                ignored_params: set[nn.Parameter] | None = None) -> dict:
+    """Keyword arguments of `fully_shard` for one job (mixed precision, resharding)."""
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
     kw = {"mesh": mesh, "mp_policy": mp, "reshard_after_forward": reshard_after_forward}
     if ignored_params:
         kw["ignored_params"] = ignored_params
-    for layer in model.layers:  # type: ignore[union-attr]
-        fully_shard(layer, **kw)
-    fully_shard(model, **kw)
-    return model
+    return kw
 
 
 def dtensor_writer(param: torch.Tensor, full: torch.Tensor) -> None:

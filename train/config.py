@@ -40,7 +40,13 @@ class ParallelConfig:
     ep: int = 1
     cp: int = 1
     ep_replicas: bool = True  # MoonEP dynamic expert replicas (every EP rank gets the same load)
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool = True  # FSDP; layers under pp > 1 always keep them gathered
+    # GPipe | 1F1B | Interleaved1F1B | LoopedBFS | InterleavedZeroBubble | ZBVZeroBubble
+    pp_schedule: str = "1F1B"
+    pp_virtual_stages: int = 1  # stages per pp rank (2+ for the interleaved schedules)
+    activation_checkpoint: str = "none"  # none | full (per layer) | selective (per op)
+    compile: bool = False  # torch.compile each decoder layer
+    compile_backend: str = "inductor"
 
 
 @dataclass
@@ -148,8 +154,14 @@ def validate_job(job: JobConfig, world_size: int) -> JobConfig:
               "cluster.device=cuda but no CUDA device is visible; use +cluster=local_cpu")
     dims = ParallelDims.from_config(job.parallel, world_size)
     job.parallel.dp_shard = dims.dp_shard
-    dims.validate_model(job.model)
     dp = dims.dp
+    dims.validate_model(job.model, seq_len=d.seq_len,
+                        microbatches=d.global_batch // max(1, dp * d.micro_batch))
+    from parallel.activation_checkpoint import AC_MODES
+
+    _need(job.parallel.activation_checkpoint in AC_MODES,
+          f"parallel.activation_checkpoint={job.parallel.activation_checkpoint!r}: choose one "
+          f"of {list(AC_MODES)}")
     _need(d.seq_len > 0, f"data.seq_len={d.seq_len} must be positive")
     _need(d.micro_batch > 0 and d.global_batch > 0, "data.global_batch and data.micro_batch > 0")
     _need(d.global_batch % (dp * d.micro_batch) == 0,

@@ -34,7 +34,7 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
 
 def moe_layer_indices(model: K3Model) -> list[int]:
     """0-based decoder layer index of each MoE layer, in order (the rows of the matrices)."""
-    return [i for i, layer in enumerate(model.layers) if hasattr(layer, "block_sparse_moe")]
+    return [int(i) for i, layer in model.layers.items() if hasattr(layer, "block_sparse_moe")]
 
 
 def expert_load_matrix(model: K3Model, reset: bool = False) -> np.ndarray:
@@ -45,7 +45,7 @@ def expert_load_matrix(model: K3Model, reset: bool = False) -> np.ndarray:
     """
     rows = []
     for i in moe_layer_indices(model):
-        load = model.layers[i].block_sparse_moe.gate.expert_load
+        load = model.layers[str(i)].block_sparse_moe.gate.expert_load
         rows.append(_numpy(load).astype(np.int64))
         if reset:
             load.zero_()
@@ -54,8 +54,8 @@ def expert_load_matrix(model: K3Model, reset: bool = False) -> np.ndarray:
 
 def router_bias_matrix(model: K3Model) -> np.ndarray:
     """float32 [n_moe_layers, n_experts] Quantile-Balancing router biases."""
-    rows = [_numpy(model.layers[i].block_sparse_moe.gate.e_score_correction_bias).astype(np.float32)
-            for i in moe_layer_indices(model)]
+    gates = [model.layers[str(i)].block_sparse_moe.gate for i in moe_layer_indices(model)]
+    rows = [_numpy(g.e_score_correction_bias).astype(np.float32) for g in gates]
     return np.stack(rows) if rows else np.zeros((0, model.config.num_experts), np.float32)
 
 
@@ -69,7 +69,7 @@ def attnres_source_labels(max_sources: int) -> list[str]:
 def _mix_labels(model: K3Model) -> dict[int, str]:
     """id(res_norm module) -> row label, for every mix site of the model."""
     labels = {}
-    for i, layer in enumerate(model.layers):
+    for i, layer in model.layers.items():
         labels[id(layer.self_attention_res_norm)] = f"L{i}.attn"
         labels[id(layer.mlp_res_norm)] = f"L{i}.mlp"
     labels[id(model.output_attn_res_norm)] = "final"

@@ -23,20 +23,15 @@ from data.corpus import default_corpus_dir
 from data.dataset import PackedTokenDataset
 from data.loader import BatchLoader, local_target_tokens
 from data.tokenizer import load_tokenizer
-from model.build import build_model
 from model.config import ConfigError
 from model.decoder import K3Model
-from model.init import init_weights
-from model.ops.mx_linear import mx_backend
-from model.precision import apply_mxfp8
+from model.packing import Packing
 from parallel.dims import ParallelDims
-from parallel.expert_parallel import (
-    apply_expert_parallel,
-    ep_load_metrics,
-    expert_parameters,
-    finalize_expert_grads,
-)
-from parallel.fsdp import apply_fsdp, dtensor_writer, set_gradient_sync, unsharded_root
+from parallel.expert_parallel import ep_load_metrics, finalize_expert_grads
+from parallel.fsdp import set_gradient_sync, unsharded_root
+from parallel.grads import clip_grad_norm
+from parallel.parallelize import ParallelModel, parallelize
+from parallel.tensor_parallel import allreduce_replicated_grads
 from train.checkpoint import Checkpointer
 from train.config import JobConfig
 from train.distributed import DistEnv
@@ -54,9 +49,8 @@ from train.optim import build_optimizer, build_scheduler
 def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
     """Train `job` on this rank; returns the final train state."""
     dims = ParallelDims.from_config(job.parallel, env.world_size)
-    mesh = dims.build_mesh(env.device.type)
-    dp_rank = mesh.get_local_rank("dp_shard") + (
-        mesh.get_local_rank("dp_replicate") * dims.dp_shard if dims.dp_replicate > 1 else 0)
+    meshes = dims.build_meshes(env.device.type)
+    dp_rank = meshes.dp_rank
     run_dir = job.run_dir
     ckpt = Checkpointer(run_dir / "checkpoints", job.checkpoint.keep, env.rank,
                         async_save=job.checkpoint.async_save and env.device.type == "cuda")
@@ -64,7 +58,12 @@ def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
     loader = _build_loader(job, env, dp_rank, dims.dp)  # may still reject the config
     if env.is_main:
         _save_resolved_config(job, run_dir)
-    model = _build_sharded_model(job, env, mesh, dims)
+    n_micro = job.data.global_batch // (dims.dp * job.data.micro_batch)
+    pm = parallelize(job, dims, meshes, env.device, n_micro,
+                     log=lambda m: print(m, flush=True) if env.is_main else None)
+    if env.is_main:
+        _describe_layout(pm, env)
+    model = pm.model
     optimizer = build_optimizer(model, job.optim)
     scheduler = build_scheduler(optimizer, job.train.steps, job.optim)
     state: dict[str, Any] = {"step": 0, "tokens_seen": 0}
@@ -86,11 +85,10 @@ def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
             t0 = time.perf_counter()
             ep_load_metrics(model)  # drop dispatches outside training steps (image forwards)
             batches = loader.next_step()
-            loss, _, grad_norm = train_step(model, optimizer, batches, env, dims,
-                                            job.optim.grad_clip)
+            loss, _, grad_norm = train_step(pm, optimizer, batches, env, job.optim.grad_clip)
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
-            loads = balance_routers(model)
+            loads = balance_routers(model, meshes.batch_group)
             state["step"] += 1
             state["tokens_seen"] += job.data.global_batch * job.data.seq_len
             dt = time.perf_counter() - t0
@@ -102,9 +100,10 @@ def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
                 "expert_load_max_over_mean": loads, **ep_load_metrics(model),
                 **memory_stats(env.device)}
             if job.train.log_sample_ids:
-                scalars["sample_ids"] = _global_sample_ids(batches, env)
+                scalars["sample_ids"] = _global_sample_ids(batches, env, meshes.dp_group)
             metrics.log_step(state["step"], scalars)
-            if job.train.log_images_every and state["step"] % job.train.log_images_every == 0:
+            if (job.train.log_images_every and state["step"] % job.train.log_images_every == 0
+                    and dims.tp == dims.pp == 1):  # the image forwards need the whole model
                 _log_images(model, metrics, state["step"], batches[0], env)
             _reset_expert_loads(model)
             done = state["step"] == stop
@@ -123,36 +122,61 @@ def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
     return state
 
 
-def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: list[dict],
-               env: DistEnv, dims: ParallelDims, grad_clip: float) -> tuple[float, int, float]:
-    """Forward/backward over this rank's micro-batches, clip, optimizer step.
+def train_step(pm: ParallelModel, optimizer: torch.optim.Optimizer, batches: list[dict],
+               env: DistEnv, grad_clip: float) -> tuple[float, int, float]:
+    """Forward/backward over this rank's micro-batches (or the pipeline schedule), clip, step.
 
     Returns (global token-mean loss, global target tokens, gradient norm before clipping).
     """
+    model, dims = pm.model, pm.dims
     counts = torch.tensor([local_target_tokens(batches)], dtype=torch.float64, device=env.device)
-    dist.all_reduce(counts)
+    dist.all_reduce(counts, group=pm.meshes.dp_group)
     global_tokens = int(counts.item())
     scale = dims.dp / max(global_tokens, 1)  # FSDP averages over dp ranks: undo, then / tokens
-    loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
-    for i, mb in enumerate(batches):
-        set_gradient_sync(model, i == len(batches) - 1)
-        s, _ = model(mb["input_ids"].to(env.device), mb["cu_seqlens"].to(env.device),
-                     labels=mb["labels"].to(env.device))
-        (s * scale).backward()
-        loss_sum += s.detach().double()
-    dist.all_reduce(loss_sum)
-    finalize_expert_grads(getattr(model, "expert_params", set()), dims.dp)
+    if pm.schedule is not None:
+        loss_sum = _pipeline_forward_backward(pm, batches, env, scale)
+    else:
+        loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
+        for i, mb in enumerate(batches):
+            set_gradient_sync(model, i == len(batches) - 1)
+            s, _ = model(mb["input_ids"].to(env.device), mb["cu_seqlens"].to(env.device),
+                         labels=mb["labels"].to(env.device))
+            (s * scale).backward()
+            loss_sum += s.detach().double()
+    dist.all_reduce(loss_sum)  # sequence slices (tp), data ranks; 0 on non-last pp stages
+    if pm.tp_params:
+        allreduce_replicated_grads(pm.tp_params, pm.meshes.tp.get_group())
+    finalize_expert_grads(pm.expert_params, dims.dp)
     max_norm = grad_clip if grad_clip > 0 else float("inf")
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    norm = clip_grad_norm(model.parameters(), max_norm, dims.pp)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss_sum.item() / max(global_tokens, 1), global_tokens, float(norm)
+    return loss_sum.item() / max(global_tokens, 1), global_tokens, norm
+
+
+def _pipeline_forward_backward(pm: ParallelModel, batches: list[dict], env: DistEnv,
+                               scale: float) -> torch.Tensor:
+    """Run the schedule over this rank's micro-batches; returns the local loss sum (float64)."""
+    dev = env.device
+    ids = torch.cat([b["input_ids"] for b in batches]).to(dev)
+    labels = torch.cat([b["labels"] for b in batches]).to(dev)
+    doc_ids = torch.cat([Packing(*b["input_ids"].shape, dev, b["cu_seqlens"].to(dev)).doc_ids
+                         for b in batches])
+    pm.loss_scale.value = scale
+    losses: list[torch.Tensor] = []
+    args = (ids,) if pm.has_first_stage else ()
+    pm.schedule.step(*args, target=labels, losses=losses, return_outputs=False,
+                     doc_ids=doc_ids, labels=labels)
+    total = torch.zeros((), dtype=torch.float64, device=dev)
+    if pm.has_last_stage:
+        total += sum(float(x.detach()) for x in losses) / scale
+    return total
 
 
 @torch.no_grad()
-def balance_routers(model: K3Model) -> float | None:
-    """Sum QB histograms and expert loads over all ranks (one all-reduce), update router biases.
+def balance_routers(model: K3Model, group=None) -> float | None:
+    """Sum QB histograms and expert loads over the ranks that route other tokens through the
+    same layers (`group`: dp x tp; default all), in one all-reduce; update router biases.
 
     Returns the mean over MoE layers of max/mean expert load this step (None without MoE).
     """
@@ -160,7 +184,7 @@ def balance_routers(model: K3Model) -> float | None:
     if not routers:
         return None
     flat = torch.cat([torch.cat([r.qb_counts.flatten(), r.expert_load]) for r in routers])
-    dist.all_reduce(flat)
+    dist.all_reduce(flat, group=group)
     offset = 0
     for r in routers:
         n, E = r.qb_counts.numel(), r.expert_load.numel()
@@ -173,11 +197,11 @@ def balance_routers(model: K3Model) -> float | None:
     return sum(ratios) / len(ratios)
 
 
-def _global_sample_ids(batches: list[dict], env: DistEnv) -> list[int]:
+def _global_sample_ids(batches: list[dict], env: DistEnv, group) -> list[int]:
     """This step's sample ids over all data ranks, in global-batch order (for resume checks)."""
     local = torch.cat([b["sample_ids"] for b in batches]).to(env.device)
-    parts = [torch.empty_like(local) for _ in range(env.world_size)]  # world == dp (FSDP only)
-    dist.all_gather(parts, local)
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local, group=group)
     return torch.cat(parts).tolist()
 
 
@@ -212,25 +236,14 @@ def _build_loader(job: JobConfig, env: DistEnv, dp_rank: int, dp: int) -> BatchL
     return BatchLoader(dataset, d.global_batch, d.micro_batch, dp_rank, dp, d.seed)
 
 
-def _build_sharded_model(job: JobConfig, env: DistEnv, mesh, dims: ParallelDims) -> K3Model:
-    """Build on meta, shard (experts by EP, the rest by FSDP2), then allocate and initialise
-    only the local shards. The expert parameters are kept in `model.expert_params`."""
-    model = build_model(job.model, device="meta")
-    expert_params: set = set()
-    if dims.expert_parallel:
-        expert_params = apply_expert_parallel(model, mesh, job.parallel.ep_replicas)
-    p = job.precision
-    if p.gemm == "mxfp8":
-        converted = apply_mxfp8(model, p.targets, p.mx_mode, p.wgrad_hp)
-        if env.is_main:
-            print(f"precision: MXFP8 ({mx_backend(env.device)} backend, {p.mx_mode}) on "
-                  f"{len(converted)} GEMM modules: {', '.join(p.targets)}", flush=True)
-    apply_fsdp(model, mesh, job.cluster.param_dtype, job.cluster.reduce_dtype,
-               job.parallel.reshard_after_forward, ignored_params=expert_params)
-    model.to_empty(device=env.device)
-    init_weights(model, job.train.seed, write=dtensor_writer)
-    model.expert_params = expert_parameters(model) if expert_params else set()
-    return model
+def _describe_layout(pm: ParallelModel, env: DistEnv) -> None:
+    d = pm.dims
+    msg = (f"layout: world {d.world_size} = pp {d.pp} x dp_replicate {d.dp_replicate} x "
+           f"dp_shard {d.dp_shard} x tp {d.tp}; ep {d.ep}")
+    if pm.splits:
+        msg += (f"; {d.pp_schedule}, {d.num_stages} stages (layers "
+                f"{[f'{s[0]}-{s[-1]}' for s in pm.splits]})")
+    print(msg, flush=True)
 
 
 def _resume(ckpt: Checkpointer, path: Path, model, optimizer, scheduler, loader

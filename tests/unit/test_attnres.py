@@ -107,7 +107,7 @@ def test_every_attnres_parameter_gets_a_gradient():
 
 def test_depth_weights_sum_to_one():
     model = tiny_model()
-    layer = model.layers[4]
+    layer = model.layers["4"]
     prefix, blocks = torch.randn(1, 3, 64), torch.randn(2, 1, 3, 64)
     w = mix_weights(prefix, blocks, layer.mlp_res_norm, layer.mlp_res_proj, 1e-5)
     torch.testing.assert_close(w.sum(0), torch.ones(1, 3))

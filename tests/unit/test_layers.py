@@ -25,16 +25,16 @@ def test_lower_bound_gate_range_and_softplus_gate():
 
 def test_gate_init_matches_fla():
     model = tiny_model()
-    kda = model.layers[1].self_attn
+    kda = model.layers["1"].self_attn
     assert torch.equal(kda.A_log, torch.zeros_like(kda.A_log))  # lower-bound gate: exp(A)=1
     dt = F.softplus(kda.dt_bias)
     assert dt.min() >= 1e-4 - 1e-9 and dt.max() <= 0.1 + 1e-6
-    soft = tiny_model(gate_lower_bound=None).layers[1].self_attn
+    soft = tiny_model(gate_lower_bound=None).layers["1"].self_attn
     assert (soft.A_log.exp() >= 1 - 1e-6).all() and (soft.A_log.exp() <= 16 + 1e-4).all()
 
 
 def test_short_conv_matches_conv1d():
-    conv = tiny_model().layers[1].self_attn.k_conv1d
+    conv = tiny_model().layers["1"].self_attn.k_conv1d
     x = torch.randn(2, 10, conv.weight.shape[0])
     pos = Packing(2, 10, x.device).pos_in_doc
     ref = F.silu(F.conv1d(F.pad(x.transpose(1, 2), (3, 0)), conv.weight,
@@ -44,7 +44,7 @@ def test_short_conv_matches_conv1d():
 
 def test_gated_mla_matches_direct_formula():
     model = tiny_model().double()
-    mla = model.layers[3].self_attn
+    mla = model.layers["3"].self_attn
     cfg = model.config
     B, T, H = 2, 7, cfg.num_attention_heads
     x = torch.randn(B, T, cfg.hidden_size, dtype=torch.float64)

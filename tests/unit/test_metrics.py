@@ -182,11 +182,11 @@ def test_attnres_depth_weights_uniform_at_init(debug_model):
     np.testing.assert_array_equal(expert_load_matrix(model), loads_before)  # no router stats
 
     with torch.no_grad():  # a trained pseudo-query changes only its own row
-        model.layers[7].mlp_res_proj.weight.normal_(generator=torch.Generator().manual_seed(1))
+        model.layers["7"].mlp_res_proj.weight.normal_(generator=torch.Generator().manual_seed(1))
     try:
         moved, _ = attnres_depth_weights(model, ids)
     finally:
-        model.layers[7].mlp_res_proj.weight.data.zero_()
+        model.layers["7"].mlp_res_proj.weight.data.zero_()
     row = labels.index("L7.mlp")
     assert np.ptp(moved[row]) > 1e-3
     np.testing.assert_allclose(np.delete(moved, row, 0), np.delete(weights, row, 0), atol=1e-6,

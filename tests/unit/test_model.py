@@ -54,7 +54,7 @@ def test_meta_materialisation_gives_identical_weights():
         assert torch.equal(sd1[k], sd2[k]), k
     other = build_model("debug", seed=8)
     assert not torch.equal(other.lm_head.weight, direct.lm_head.weight)
-    assert direct.layers[0].self_attention_res_proj.weight.abs().sum() == 0
+    assert direct.layers["0"].self_attention_res_proj.weight.abs().sum() == 0
     assert "layers.1.block_sparse_moe.gate.e_score_correction_bias" in sd1
 
 
@@ -72,7 +72,7 @@ def test_cast_keeps_k3_fp32_parameters():
     kept = {n for n, p in model.named_parameters() if p.dtype == torch.float32}
     assert kept == {n for n, _ in model.named_parameters() if keeps_fp32(n)}
     assert any(n.endswith("A_log") for n in kept) and any("q_conv1d" in n for n in kept)
-    assert model.layers[1].block_sparse_moe.gate.e_score_correction_bias.dtype == torch.float32
+    assert model.layers["1"].block_sparse_moe.gate.e_score_correction_bias.dtype == torch.float32
     x = torch.randint(0, 512, (2, 32))
     s, n = model.loss(x, x)
     assert torch.isfinite(s)

@@ -47,7 +47,7 @@ def test_kda_short_conv_and_mla_reset_per_document():
     model = tiny_model()
     ids, cu = _packed_batch()
     emb = model.embed_tokens
-    kda, mla = model.layers[1].self_attn, model.layers[3].self_attn
+    kda, mla = model.layers["1"].self_attn, model.layers["3"].self_attn
     assert type(kda).__name__ == "KimiDeltaAttention" and type(mla).__name__ == "GatedMLA"
     conv = kda.q_conv1d
     with torch.no_grad():

@@ -1,0 +1,73 @@
+"""Activation checkpointing per decoder layer (`full`) or per op (`selective`), and per-layer
+`torch.compile`; both are numerics-neutral switches applied from outside the model.
+
+`full` keeps only each layer's inputs and recomputes the layer in backward. `selective` keeps
+the outputs of the expensive ops (matmuls, grouped GEMMs, attention, collectives: recomputing
+an all-to-all would repeat the communication) and recomputes the cheap elementwise work (norms,
+gates, SiTU, AttnRes softmax). The router does not count Quantile-Balancing statistics during a
+recompute (`model.moe.in_recomputation`). Both wrap the layer's `forward` in place, so parameter
+names, FSDP units and checkpoints are unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+AC_MODES = ("none", "full", "selective")
+
+
+def _save_list() -> set:
+    ops = torch.ops.aten
+    names = [ops.mm.default, ops.addmm.default, ops.bmm.default, ops.linear.default,
+             ops._scaled_dot_product_efficient_attention.default,
+             ops._scaled_dot_product_flash_attention.default,
+             ops._scaled_dot_product_flash_attention_for_cpu.default]
+    for extra in ("_grouped_mm", "_scaled_mm"):
+        if hasattr(ops, extra):
+            names.append(getattr(ops, extra).default)
+    c10d = getattr(torch.ops, "_c10d_functional", None)
+    if c10d is not None:
+        for n in ("all_to_all_single", "all_gather_into_tensor", "reduce_scatter_tensor",
+                  "wait_tensor"):
+            if hasattr(c10d, n):
+                names.append(getattr(c10d, n).default)
+    return set(names)
+
+
+def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return (CheckpointPolicy.MUST_SAVE if op in _SAVE else CheckpointPolicy.PREFER_RECOMPUTE)
+
+
+_SAVE = _save_list()
+
+
+def apply_activation_checkpointing(layers: list[nn.Module], mode: str) -> None:
+    if mode not in AC_MODES:
+        raise ValueError(f"activation checkpoint mode {mode!r}: choose one of {AC_MODES}")
+    if mode == "none":
+        return
+    for layer in layers:
+        inner = layer.forward
+        kw = {}
+        if mode == "selective":
+            kw["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _policy)
+
+        @functools.wraps(inner)
+        def forward(*args, _inner=inner, _kw=kw, **kwargs):
+            return checkpoint(_inner, *args, use_reentrant=False, **_kw, **kwargs)
+
+        layer.forward = forward
+
+
+def apply_compile(layers: list[nn.Module], backend: str = "inductor") -> None:
+    """Compile each decoder layer's forward (one graph per layer; dynamic shapes off)."""
+    for layer in layers:
+        layer.forward = torch.compile(layer.forward, backend=backend, dynamic=False)

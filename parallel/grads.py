@@ -1,0 +1,45 @@
+"""The global gradient norm and clipping for any layout (FSDP, TP, PP, EP meshes mixed).
+
+`torch.nn.utils.clip_grad_norm_` fails when parameters sit on different meshes (cpu-testing.md
+trap 5: FSDP x TP, experts on the EP mesh, plain tensors). Here each rank sums the squares of
+its local gradient pieces, each divided by the number of ranks that hold an identical copy of
+that piece, and one all-reduce over the world gives the exact squared norm: a piece is copied
+once per rank of the mesh dims it is replicated on and of the non-pipeline ranks outside its
+mesh; pipeline ranks hold different layers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+
+
+def _copies(g: torch.Tensor, ranks_per_stage: int) -> int:
+    if not isinstance(g, DTensor):
+        return ranks_per_stage
+    sharded = math.prod(g.device_mesh.size(i) for i, p in enumerate(g.placements)
+                        if isinstance(p, Shard))
+    return ranks_per_stage // sharded
+
+
+@torch.no_grad()
+def clip_grad_norm(params, max_norm: float, pp: int = 1) -> float:
+    """Clip in place to `max_norm` (inf: measure only); returns the norm before clipping."""
+    grads = [p.grad for p in params if p.grad is not None]
+    ranks_per_stage = (dist.get_world_size() if dist.is_initialized() else 1) // pp
+    total = torch.zeros((), dtype=torch.float64,
+                        device=grads[0].device if grads else torch.device("cpu"))
+    for g in grads:
+        local = g.to_local() if isinstance(g, DTensor) else g
+        total += local.double().pow(2).sum() / _copies(g, ranks_per_stage)
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    norm = float(total.sqrt())
+    if math.isfinite(max_norm) and norm > max_norm:
+        coef = max_norm / (norm + 1e-6)
+        for g in grads:
+            (g.to_local() if isinstance(g, DTensor) else g).mul_(coef)
+    return norm

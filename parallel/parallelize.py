@@ -1,0 +1,112 @@
+"""Turn a model config into this rank's parallel model: pipeline split -> expert parallel ->
+MXFP8 -> tensor parallel -> activation checkpointing -> compile -> FSDP, then materialise.
+
+Everything is built on the meta device and only this rank's shards are allocated and
+initialised; `model.init.init_weights` draws every parameter from a generator keyed by its name,
+so any layout starts from exactly the single-device weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed.fsdp import fully_shard
+
+from model.build import build_model
+from model.decoder import K3Model
+from model.init import init_weights
+from model.ops.mx_linear import mx_backend
+from model.precision import apply_mxfp8
+from parallel.activation_checkpoint import apply_activation_checkpointing, apply_compile
+from parallel.dims import Meshes, ParallelDims
+from parallel.expert_parallel import apply_expert_parallel, expert_parameters
+from parallel.fsdp import DTYPES, apply_fsdp, dtensor_writer, fsdp_kwargs
+from parallel.pipeline import (
+    LossScale,
+    PipelineStageModule,
+    build_schedule,
+    prune_to_stages,
+    split_stages,
+    stage_indices,
+    stage_io_meta,
+)
+from parallel.tensor_parallel import apply_tensor_parallel, tp_replicated_params
+
+
+@dataclass
+class ParallelModel:
+    """`model`: this rank's (pruned, sharded) model: optimizer and checkpoints use it."""
+
+    model: K3Model
+    dims: ParallelDims
+    meshes: Meshes
+    expert_params: set = field(default_factory=set)
+    tp_params: list = field(default_factory=list)  # tp-replicated: gradients summed over tp
+    schedule: object | None = None
+    loss_scale: LossScale | None = None
+    stages: list[int] = field(default_factory=list)
+    splits: list[list[int]] = field(default_factory=list)
+
+    @property
+    def has_first_stage(self) -> bool:
+        return not self.splits or 0 in self.stages
+
+    @property
+    def has_last_stage(self) -> bool:
+        return not self.splits or len(self.splits) - 1 in self.stages
+
+
+def parallelize(job, dims: ParallelDims, meshes: Meshes, device: torch.device,
+                n_microbatches: int = 1, log=print) -> ParallelModel:
+    model = build_model(job.model, device="meta")
+    out = ParallelModel(model, dims, meshes)
+    if dims.pp > 1:
+        out.splits = split_stages(job.model, dims.num_stages)
+        out.stages = stage_indices(meshes.pp_rank, dims.pp, dims.num_stages,
+                                   dims.pp_schedule)
+        prune_to_stages(model, out.splits, out.stages)
+    if dims.expert_parallel:
+        param_mesh = meshes.world["dp_shard", "tp"] if dims.tp > 1 else None
+        out.expert_params = apply_expert_parallel(model, meshes.ep, job.parallel.ep_replicas,
+                                                  param_mesh=param_mesh)
+    p = job.precision
+    if p.gemm == "mxfp8":
+        converted = apply_mxfp8(model, p.targets, p.mx_mode, p.wgrad_hp)
+        log(f"precision: MXFP8 ({mx_backend(device)} backend, {p.mx_mode}) on "
+            f"{len(converted)} GEMM modules: {', '.join(p.targets)}")
+    if dims.tp > 1:
+        apply_tensor_parallel(model, meshes.tp)
+    layers = list(model.layers.values())
+    apply_activation_checkpointing(layers, job.parallel.activation_checkpoint)
+    if job.parallel.compile:
+        apply_compile(layers, job.parallel.compile_backend)
+    stage_modules = []
+    if dims.pp > 1:
+        stage_modules = [PipelineStageModule(model, out.splits[s], s == 0,
+                                             s == dims.num_stages - 1) for s in out.stages]
+        # under PP, layers keep their parameters gathered between micro-batches (trap 1)
+        kw = fsdp_kwargs(meshes.dp, job.cluster.param_dtype, job.cluster.reduce_dtype,
+                         reshard_after_forward=False, ignored_params=out.expert_params)
+        for layer in layers:
+            fully_shard(layer, **kw)
+        for m in stage_modules:  # the stage root: embedding / output parts, and no-sync control
+            fully_shard(m, **kw)
+    else:
+        apply_fsdp(model, meshes.dp, job.cluster.param_dtype, job.cluster.reduce_dtype,
+                   job.parallel.reshard_after_forward, ignored_params=out.expert_params)
+    model.to_empty(device=device)
+    init_weights(model, job.train.seed, write=dtensor_writer)
+    if out.expert_params:
+        out.expert_params = expert_parameters(model)
+    if dims.tp > 1:
+        out.tp_params = tp_replicated_params(model.parameters(), meshes.tp)
+    if dims.pp > 1:
+        out.loss_scale = LossScale()
+        act_dtype = DTYPES[job.cluster.param_dtype]
+        io = [stage_io_meta(job.model, out.splits, s, job.data.micro_batch, job.data.seq_len,
+                            dims.tp, act_dtype) for s in out.stages]
+        out.schedule = build_schedule(stage_modules, out.stages, dims.num_stages,
+                                      dims.pp_schedule, meshes.pp.get_group(), device,
+                                      n_microbatches, out.loss_scale, io)
+    return out

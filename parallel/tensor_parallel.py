@@ -1,0 +1,175 @@
+"""Tensor parallelism with sequence parallelism for the hybrid K3 model (Megatron-style regions).
+
+Between TP regions every rank holds a slice of the sequence (`[B, T/tp, d]`): norms, AttnRes
+mixes, the router, the latent MoE and the loss run on those tokens only. A TP region (KDA, Gated
+MLA, the dense MLP, the shared experts) all-gathers its input along the sequence, runs on this
+rank's heads or MLP columns, and reduce-scatters its output back to sequence slices; in backward
+the two collectives swap. One all-gather and one reduce-scatter per region, whatever the number
+of projections inside.
+
+Parameters are DTensors on the tp mesh: the plan below shards heads (and their per-head gate
+parameters and short convs) by output rows, output projections by input columns; everything
+else is replicated. Model code computes on plain tensors: while a layer (or the root) runs,
+each of its parameters is shadowed by its local shard (`DTensor.to_local`). The gradient of a
+replicated parameter is then this rank's partial sum (its tokens, or its heads), and
+`allreduce_replicated_grads` sums it over tp after backward, like Megatron's sequence-parallel
+gradient all-reduce. DTensor parameters keep DCP checkpoints layout-free and FSDP 2-D.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from model.decoder import K3Model
+from model.kda import KimiDeltaAttention
+from model.mla import GatedMLA
+from model.mlp import SiTUMLP
+
+# module class -> {parameter path inside it: the dim sharded over tp}; the rest is replicated
+TP_PLAN: dict[type, dict[str, int]] = {
+    KimiDeltaAttention: {
+        "q_proj.weight": 0, "k_proj.weight": 0, "v_proj.weight": 0,
+        "q_conv1d.weight": 0, "k_conv1d.weight": 0, "v_conv1d.weight": 0,
+        "f_b_proj.weight": 0, "A_log": 0, "dt_bias": 0, "b_proj.weight": 0,
+        "g_proj.weight": 0, "o_proj.weight": 1},  # f_a_proj (low rank) and o_norm: replicated
+    GatedMLA: {
+        "q_proj.weight": 0, "q_b_proj.weight": 0, "kv_b_proj.weight": 0, "g_proj.weight": 0,
+        "o_proj.weight": 1},  # q_a/kv_a down-projections and their norms: replicated
+    SiTUMLP: {"gate_proj.weight": 0, "up_proj.weight": 0, "down_proj.weight": 1},
+}
+
+
+def tp_shard_plan(model: nn.Module) -> dict[str, int]:
+    """Full parameter name -> sharded dim, for every parameter the plan shards."""
+    names = {n for n, _ in model.named_parameters()}
+    plan = {}
+    for mod_name, module in model.named_modules():
+        for pname, dim in TP_PLAN.get(type(module), {}).items():
+            full = f"{mod_name}.{pname}" if mod_name else pname
+            if full in names:
+                plan[full] = dim
+    return plan
+
+
+def apply_tensor_parallel(model: K3Model, tp_mesh) -> None:
+    """Shard `model` (on the meta device) over `tp_mesh` (1-D) and install the SP regions.
+
+    Parameters that already are DTensors (expert-parallel experts) are left as they are."""
+    tp = tp_mesh.size()
+    group = tp_mesh.get_group()
+    plan = tp_shard_plan(model)
+    for mod_name, module in list(model.named_modules()):
+        for pname, p in list(module.named_parameters(recurse=False)):
+            if isinstance(p, DTensor):
+                continue
+            full = f"{mod_name}.{pname}" if mod_name else pname
+            placement = Shard(plan[full]) if full in plan else Replicate()
+            dt = distribute_tensor(p.data, tp_mesh, [placement], src_data_rank=None)
+            module.register_parameter(pname, nn.Parameter(dt, requires_grad=p.requires_grad))
+    for module in model.modules():
+        if isinstance(module, (KimiDeltaAttention, GatedMLA)):
+            module.num_heads //= tp
+        if isinstance(module, (KimiDeltaAttention, GatedMLA, SiTUMLP)):
+            _make_region(module, group)
+    rank = tp_mesh.get_local_rank()
+    if model.embed_tokens is not None:  # full lookup, keep this rank's sequence slice
+        model.embed_tokens.register_forward_hook(
+            lambda mod, args, out: out.chunk(tp, dim=1)[rank].contiguous())
+    for layer in model.layers.values():
+        _scope_locals(layer, "forward", [layer])
+    roots = [m for n, m in model.named_children() if n != "layers"]
+    for method in ("forward", "forward_stage"):
+        _scope_locals(model, method, roots, labels_slice=(tp, rank))
+    model.tp_group = group  # type: ignore[assignment]
+
+
+# torch >= 2.12 names them *_single_autograd; 2.11 has only the *_tensor_autograd spelling
+_all_gather = (getattr(funcol, "all_gather_single_autograd", None)
+               or funcol.all_gather_tensor_autograd)
+_reduce_scatter = (getattr(funcol, "reduce_scatter_single_autograd", None)
+                   or funcol.reduce_scatter_tensor_autograd)
+
+
+def _make_region(module: nn.Module, group) -> None:
+    """Sequence-slice input -> full sequence in, partial sums -> reduce-scattered slices out."""
+
+    def gather(mod, args):
+        x, *rest = args
+        dim = 1 if x.ndim == 3 else 0  # [B, T/tp, d] or flattened tokens [S/tp, d]
+        return (_all_gather(x.contiguous(), dim, group), *rest)
+
+    def scatter(mod, args, out):
+        dim = 1 if out.ndim == 3 else 0
+        return _reduce_scatter(out.contiguous(), "sum", dim, group)
+
+    module.register_forward_pre_hook(gather)
+    module.register_forward_hook(scatter)
+
+
+def _scope_locals(owner: nn.Module, method: str, roots: list[nn.Module],
+                  labels_slice: tuple[int, int] | None = None) -> None:
+    """Wrap `owner.<method>` so that, while it runs, every DTensor parameter under `roots` reads
+    as its local shard. The instance attribute shadows the registered parameter; the parameter
+    is looked up at call time, so FSDP's unsharded parameters (swapped in by its pre-forward
+    hook, which runs before this wrapper) are the ones used."""
+    inner: Callable = getattr(owner, method)
+    slots = [(m, n) for r in roots for m in r.modules() for n, _ in m.named_parameters(
+        recurse=False)]
+
+    @functools.wraps(inner)
+    def wrapped(*args, **kwargs):
+        if labels_slice is not None and kwargs.get("labels") is not None:
+            tp, rank = labels_slice
+            kwargs["labels"] = kwargs["labels"].chunk(tp, dim=1)[rank]
+        if labels_slice is not None and len(args) >= 3 and args[2] is not None:
+            tp, rank = labels_slice  # forward(input_ids, cu_seqlens, labels)
+            args = (*args[:2], args[2].chunk(tp, dim=1)[rank], *args[3:])
+        installed = []
+        for m, n in slots:
+            p = m._parameters.get(n)
+            if isinstance(p, DTensor):
+                object.__setattr__(m, n, p.to_local())
+                installed.append((m, n))
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            for m, n in installed:
+                del m.__dict__[n]
+
+    setattr(owner, method, wrapped)
+
+
+def tp_replicated_params(params, tp_mesh) -> list[nn.Parameter]:
+    """Parameters replicated over the tp mesh dim (their gradients are partial sums)."""
+    name = tp_mesh.mesh_dim_names[0]
+    out = []
+    for p in params:
+        if isinstance(p, DTensor) and name in (p.device_mesh.mesh_dim_names or ()):
+            dim = p.device_mesh.mesh_dim_names.index(name)
+            if isinstance(p.placements[dim], Replicate):
+                out.append(p)
+    return out
+
+
+@torch.no_grad()
+def allreduce_replicated_grads(params: list[nn.Parameter], group) -> None:
+    """Sum the partial gradients of tp-replicated parameters over tp (one flat all-reduce)."""
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+             for p in params if p.grad is not None]
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for gs in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in gs])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for g in gs:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
