@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 
 # A decoder layer passes the AttnRes snapshot tensor through unchanged; FSDP's backward hook makes
 # that a view and warns about in-place ops on it. Nothing writes to it in place (the decoder only
@@ -40,6 +40,8 @@ def fsdp_kwargs(mesh, param_dtype: str = "fp32", reduce_dtype: str = "fp32",
                 reshard_after_forward: bool = True,
                 ignored_params: set[nn.Parameter] | None = None) -> dict:
     """Keyword arguments of `fully_shard` for one job (mixed precision, resharding)."""
+    if param_dtype == "fp64":  # verification mode: float64 master weights, compute, reduction
+        reduce_dtype = "fp64"
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
     kw = {"mesh": mesh, "mp_policy": mp, "reshard_after_forward": reshard_after_forward}
     if ignored_params:

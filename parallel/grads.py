@@ -14,14 +14,16 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 
 def _copies(g: torch.Tensor, ranks_per_stage: int) -> int:
     if not isinstance(g, DTensor):
         return ranks_per_stage
+    # any non-replicated placement splits the tensor (Shard, and FSDP's _StridedShard over TP,
+    # which is not a Shard subclass)
     sharded = math.prod(g.device_mesh.size(i) for i, p in enumerate(g.placements)
-                        if isinstance(p, Shard))
+                        if not p.is_replicate())
     return ranks_per_stage // sharded
 
 

@@ -59,12 +59,36 @@ class ParallelModel:
 
 def parallelize(job, dims: ParallelDims, meshes: Meshes, device: torch.device,
                 n_microbatches: int = 1, log=print) -> ParallelModel:
+    out, stage_modules = shard_on_meta(job, dims, meshes, meshes.pp_rank, log)
+    model = out.model
+    model.to_empty(device=device)
+    init_weights(model, job.train.seed, write=dtensor_writer)
+    if out.expert_params:
+        out.expert_params = expert_parameters(model)
+    if dims.tp > 1:
+        out.tp_params = tp_replicated_params(model.parameters(), meshes.tp)
+    if dims.pp > 1:
+        out.loss_scale = LossScale()
+        act_dtype = DTYPES[job.cluster.param_dtype]
+        io = [stage_io_meta(job.model, out.splits, s, job.data.micro_batch, job.data.seq_len,
+                            dims.tp, act_dtype) for s in out.stages]
+        out.schedule = build_schedule(stage_modules, out.stages, dims.num_stages,
+                                      dims.pp_schedule, meshes.pp.get_group(), device,
+                                      n_microbatches, out.loss_scale, io)
+    return out
+
+
+def shard_on_meta(job, dims: ParallelDims, meshes: Meshes, pp_rank: int, log=print
+                  ) -> tuple[ParallelModel, list[PipelineStageModule]]:
+    """Every parallel transform, on the meta device (also what the dry run measures); `pp_rank`
+    picks the stages to keep."""
     model = build_model(job.model, device="meta")
+    if job.cluster.param_dtype == "fp64":  # verification mode: float64 master weights too
+        model.to(torch.float64)
     out = ParallelModel(model, dims, meshes)
     if dims.pp > 1:
         out.splits = split_stages(job.model, dims.num_stages)
-        out.stages = stage_indices(meshes.pp_rank, dims.pp, dims.num_stages,
-                                   dims.pp_schedule)
+        out.stages = stage_indices(pp_rank, dims.pp, dims.num_stages, dims.pp_schedule)
         prune_to_stages(model, out.splits, out.stages)
     if dims.expert_parallel:
         param_mesh = meshes.world["dp_shard", "tp"] if dims.tp > 1 else None
@@ -73,8 +97,8 @@ def parallelize(job, dims: ParallelDims, meshes: Meshes, device: torch.device,
     p = job.precision
     if p.gemm == "mxfp8":
         converted = apply_mxfp8(model, p.targets, p.mx_mode, p.wgrad_hp)
-        log(f"precision: MXFP8 ({mx_backend(device)} backend, {p.mx_mode}) on "
-            f"{len(converted)} GEMM modules: {', '.join(p.targets)}")
+        log(f"precision: MXFP8 ({mx_backend(torch.device(job.cluster.device))} backend, "
+            f"{p.mx_mode}) on {len(converted)} GEMM modules: {', '.join(p.targets)}")
     if dims.tp > 1:
         apply_tensor_parallel(model, meshes.tp)
     layers = list(model.layers.values())
@@ -95,18 +119,4 @@ def parallelize(job, dims: ParallelDims, meshes: Meshes, device: torch.device,
     else:
         apply_fsdp(model, meshes.dp, job.cluster.param_dtype, job.cluster.reduce_dtype,
                    job.parallel.reshard_after_forward, ignored_params=out.expert_params)
-    model.to_empty(device=device)
-    init_weights(model, job.train.seed, write=dtensor_writer)
-    if out.expert_params:
-        out.expert_params = expert_parameters(model)
-    if dims.tp > 1:
-        out.tp_params = tp_replicated_params(model.parameters(), meshes.tp)
-    if dims.pp > 1:
-        out.loss_scale = LossScale()
-        act_dtype = DTYPES[job.cluster.param_dtype]
-        io = [stage_io_meta(job.model, out.splits, s, job.data.micro_batch, job.data.seq_len,
-                            dims.tp, act_dtype) for s in out.stages]
-        out.schedule = build_schedule(stage_modules, out.stages, dims.num_stages,
-                                      dims.pp_schedule, meshes.pp.get_group(), device,
-                                      n_microbatches, out.loss_scale, io)
-    return out
+    return out, stage_modules

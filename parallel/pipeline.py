@@ -106,9 +106,14 @@ class PipelineStageModule(nn.Module):
 
     def forward(self, *inputs: torch.Tensor, doc_ids: torch.Tensor,
                 labels: torch.Tensor | None = None):
-        return self.model.forward_stage(*inputs, doc_ids=doc_ids, labels=labels,
-                                        layer_ids=self.layer_ids, first=self.first,
-                                        last=self.last)
+        out = self.model.forward_stage(*inputs, doc_ids=doc_ids, labels=labels,
+                                       layer_ids=self.layer_ids, first=self.first,
+                                       last=self.last)
+        if self.last:
+            return out
+        # a layer passes `blocks` through unchanged, and FSDP turns layer inputs into views; the
+        # zero-bubble schedules detach stage outputs in place, which views do not allow
+        return tuple(t.clone() if t._is_view() else t for t in out)
 
 
 @dataclass

@@ -25,7 +25,9 @@ class ClusterConfig:
     name: str = "local_cpu"
     device: str = "cpu"  # cpu | cuda
     backend: str = "gloo"  # gloo | nccl
-    param_dtype: str = "fp32"  # compute dtype of parameters under FSDP: fp32 | bf16
+    # compute dtype of parameters under FSDP: fp32 | bf16; fp64 (CPU) makes the master weights
+    # and all compute float64, to prove layouts equal without top-k rounding ties
+    param_dtype: str = "fp32"
     reduce_dtype: str = "fp32"  # gradient reduce-scatter dtype
     timeout_s: int = 600  # collective timeout: a hung job fails instead of waiting 30 minutes
     peak_tflops: float | None = None  # per device, for MFU; None: look it up from the device
@@ -144,9 +146,11 @@ def validate_job(job: JobConfig, world_size: int) -> JobConfig:
           "cluster.backend=nccl needs cluster.device=cuda; use gloo on CPU")
     for name in ("param_dtype", "reduce_dtype"):
         v = getattr(c, name)
-        _need(v in ("fp32", "bf16"), f"cluster.{name}={v!r}: use fp32 or bf16")
-    _need(not (c.device == "cpu" and c.param_dtype != "fp32"),
+        _need(v in ("fp32", "bf16", "fp64"), f"cluster.{name}={v!r}: use fp32, bf16 or fp64")
+    _need(not (c.device == "cpu" and c.param_dtype == "bf16"),
           "cluster.param_dtype=bf16 on CPU is not supported (slow, see cpu-testing.md); use fp32")
+    _need(not (c.device == "cuda" and c.param_dtype == "fp64"),
+          "cluster.param_dtype=fp64 is a CPU verification mode; use bf16 or fp32 on cuda")
     if c.device == "cuda":
         import torch
 

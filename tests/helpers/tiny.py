@@ -17,3 +17,17 @@ def debug_config(**overrides) -> ModelConfig:
 def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
     model = build_model(debug_config(**overrides), seed=seed)
     return model.to(dtype) if dtype != torch.float32 else model
+
+
+def packed_batch(batch: int = 2, seq: int = 64, seed: int = 0, vocab: int = 512):
+    """(input_ids [B, T], labels [B, T], cu_seqlens): random tokens in several documents per
+    row, one label ignored per document end, deterministic."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, seq), generator=gen)
+    labels = torch.roll(ids, -1, dims=1)
+    starts = sorted({0, *torch.randint(1, seq, (3,), generator=gen).tolist()})
+    cu = torch.tensor([r * seq + s for r in range(batch) for s in starts] + [batch * seq],
+                      dtype=torch.int32)
+    flat = labels.flatten()
+    flat[cu[1:].long() - 1] = -100  # no target across a document end
+    return ids, flat.view(batch, seq), cu

@@ -1,0 +1,103 @@
+"""Dry-run a parallel layout at full size on one CPU process, without GPUs.
+
+    python launch/dryrun.py --world 2048 model=k3 parallel.pp=16 parallel.tp=2 parallel.ep=64 \\
+        data.seq_len=4096 data.global_batch=2048 data.micro_batch=1
+
+A fake process group (`backend="fake"`) stands in for `--world` ranks: the job is validated
+against that world size, the device meshes are built, and for every pipeline rank the model is
+built on the meta device, split into its stages and sharded exactly as training would (expert
+parallel, tensor parallel, FSDP2). It prints one JSON line per pipeline rank (its stages, layers
+and this rank's parameter counts and bytes) and a summary line. No tensor is allocated.
+
+Bytes per rank: fp32 master weights + fp32 gradients + AdamW's two fp32 moments (16 B per local
+parameter), plus, under PP (layers keep their gathered weights between micro-batches), the
+gathered compute-dtype weights of the rank's layers. Activations are not counted.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def _local_numel(p) -> int:
+    return p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+
+
+def describe_rank(job, dims, meshes, pp_rank: int) -> dict:
+    from parallel.parallelize import shard_on_meta
+
+    out, _ = shard_on_meta(job, dims, meshes, pp_rank, log=lambda m: None)
+    expert_ids = {id(p) for p in out.expert_params}
+    local_dense = local_expert = full_dense = 0
+    for p in out.model.parameters():
+        n = _local_numel(p)
+        if id(p) in expert_ids:
+            local_expert += n
+        else:
+            local_dense += n
+            full_dense += p.numel()
+    compute_bytes = 2 if job.cluster.param_dtype == "bf16" else 4
+    gathered = full_dense // dims.tp * compute_bytes if dims.pp > 1 else 0
+    local = local_dense + local_expert
+    layers = sorted(int(k) for k in out.model.layers.keys())
+    return {
+        "pp_rank": pp_rank,
+        "stages": out.stages or [0],
+        "layers": f"{layers[0]}-{layers[-1]}" if layers else "",
+        "n_layers": len(layers),
+        "local_params": local,
+        "local_dense_params": local_dense,
+        "local_expert_params": local_expert,
+        "state_gib": round(local * 16 / 2**30, 3),
+        "state_mib": round(local * 16 / 2**20, 2),
+        "gathered_weights_gib": round(gathered / 2**30, 3),
+    }
+
+
+def main(argv: list[str]) -> int:
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from launch.pretrain import load_job
+    from model.config import ConfigError
+    from parallel.dims import ParallelDims
+
+    world = 1
+    if "--world" in argv:
+        i = argv.index("--world")
+        world = int(argv[i + 1])
+        argv = argv[:i] + argv[i + 2:]
+    overrides = argv if any(a.startswith("+cluster=") for a in argv) else \
+        ["+cluster=local_cpu", *argv]
+    try:
+        job = load_job(overrides, world)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    dims = ParallelDims.from_config(job.parallel, world)
+    meshes = dims.build_meshes("cpu")
+    rows = [describe_rank(job, dims, meshes, r) for r in range(dims.pp)]
+    for row in rows:
+        print(json.dumps(row))
+    worst = max(rows, key=lambda r: r["state_gib"] + r["gathered_weights_gib"])
+    print(json.dumps({
+        "world": world, "pp": dims.pp, "dp_replicate": dims.dp_replicate,
+        "dp_shard": dims.dp_shard, "tp": dims.tp, "ep": dims.ep,
+        "schedule": dims.pp_schedule if dims.pp > 1 else None, "stages": dims.num_stages,
+        "max_rank_state_gib": worst["state_gib"],
+        "max_rank_gathered_weights_gib": worst["gathered_weights_gib"],
+        "max_rank_pp_rank": worst["pp_rank"],
+    }))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
