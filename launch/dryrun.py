@@ -29,21 +29,30 @@ def _local_numel(p) -> int:
     return p.to_local().numel() if hasattr(p, "to_local") else p.numel()
 
 
+def _tp_local_numel(p) -> int:
+    """Elements of `p` once FSDP has gathered it: sharded only by tensor parallelism."""
+    mesh = getattr(p, "device_mesh", None)
+    names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
+    if "tp" not in names or p.placements[names.index("tp")].is_replicate():
+        return p.numel()
+    return p.numel() // mesh.size(names.index("tp"))
+
+
 def describe_rank(job, dims, meshes, pp_rank: int) -> dict:
     from parallel.parallelize import shard_on_meta
 
     out, _ = shard_on_meta(job, dims, meshes, pp_rank, log=lambda m: None)
     expert_ids = {id(p) for p in out.expert_params}
-    local_dense = local_expert = full_dense = 0
+    local_dense = local_expert = gathered_dense = 0
     for p in out.model.parameters():
         n = _local_numel(p)
         if id(p) in expert_ids:
             local_expert += n
         else:
             local_dense += n
-            full_dense += p.numel()
-    compute_bytes = 2 if job.cluster.param_dtype == "bf16" else 4
-    gathered = full_dense // dims.tp * compute_bytes if dims.pp > 1 else 0
+            gathered_dense += _tp_local_numel(p)
+    compute_bytes = {"bf16": 2, "fp32": 4, "fp64": 8}[job.cluster.param_dtype]
+    gathered = gathered_dense * compute_bytes if dims.pp > 1 else 0
     local = local_dense + local_expert
     layers = sorted(int(k) for k in out.model.layers.keys())
     return {

@@ -91,6 +91,9 @@ class K3Model(nn.Module):
         self.output_attn_res_proj = nn.Linear(d, 1, bias=False, device=device)
         self.norm = RMSNorm(d, cfg.rms_norm_eps, device)
         self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False, device=device)
+        # (h, head weight, labels, chunk) -> (loss sum, target count); tensor parallelism swaps
+        # in the vocabulary-parallel version, like the MoE layer's dispatcher
+        self.cross_entropy = chunked_cross_entropy
 
     def embed(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids [B, T] -> the initial AttnRes state (prefix [B, T, d], blocks [0, B, T, d])."""
@@ -136,8 +139,8 @@ class K3Model(nn.Module):
     def loss_from_hidden(self, h: torch.Tensor, labels: torch.Tensor
                          ) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss sum, target-token count) of the LM head on final hidden states."""
-        return chunked_cross_entropy(h.flatten(0, 1), self.lm_head.weight, labels.flatten(),
-                                     self.config.loss_chunk_tokens)
+        return self.cross_entropy(h.flatten(0, 1), self.lm_head.weight, labels.flatten(),
+                                  self.config.loss_chunk_tokens)
 
     def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None):

@@ -107,6 +107,9 @@ class ParallelDims:
             if width and width % self.tp:
                 raise ConfigError(f"parallel.tp={self.tp} does not divide model.{field_name}="
                                   f"{width}; use a divisor")
+        if cfg.vocab_size % self.tp:
+            raise ConfigError(f"parallel.tp={self.tp} does not divide model.vocab_size="
+                              f"{cfg.vocab_size} (vocabulary-parallel head); pad the vocabulary")
         if seq_len is not None and seq_len % self.tp:
             raise ConfigError(f"data.seq_len={seq_len} is not divisible by parallel.tp={self.tp} "
                               "(sequence parallelism splits each row); use a multiple")

@@ -1,16 +1,18 @@
 """Tensor parallelism with sequence parallelism for the hybrid K3 model (Megatron-style regions).
 
 Between TP regions every rank holds a slice of the sequence (`[B, T/tp, d]`): norms, AttnRes
-mixes, the router, the latent MoE and the loss run on those tokens only. A TP region (KDA, Gated
+mixes, the router and the latent MoE run on those tokens only (the loss gathers them for the
+vocabulary-parallel head). A TP region (KDA, Gated
 MLA, the dense MLP, the shared experts) all-gathers its input along the sequence, runs on this
 rank's heads or MLP columns, and reduce-scatters its output back to sequence slices; in backward
 the two collectives swap. One all-gather and one reduce-scatter per region, whatever the number
 of projections inside.
 
 Parameters are DTensors on the tp mesh: the plan below shards heads (and their per-head gate
-parameters and short convs) by output rows, output projections by input columns; everything
-else is replicated. Model code computes on plain tensors: while a layer (or the root) runs,
-each of its parameters is shadowed by its local shard (`DTensor.to_local`). The gradient of a
+parameters and short convs) by output rows, output projections by input columns, and the LM
+head by vocabulary rows (`parallel.loss_parallel`); everything else is replicated. Model code
+computes on plain tensors: while a layer (or the root) runs, each of its parameters is shadowed
+by its local shard (`DTensor.to_local`). The gradient of a
 replicated parameter is then this rank's partial sum (its tokens, or its heads), and
 `allreduce_replicated_grads` sums it over tp after backward, like Megatron's sequence-parallel
 gradient all-reduce. DTensor parameters keep DCP checkpoints layout-free and FSDP 2-D.
@@ -23,7 +25,6 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -31,6 +32,8 @@ from model.decoder import K3Model
 from model.kda import KimiDeltaAttention
 from model.mla import GatedMLA
 from model.mlp import SiTUMLP
+from parallel.collectives import all_gather, reduce_scatter
+from parallel.loss_parallel import vocab_parallel_cross_entropy
 
 # module class -> {parameter path inside it: the dim sharded over tp}; the rest is replicated
 TP_PLAN: dict[type, dict[str, int]] = {
@@ -43,6 +46,7 @@ TP_PLAN: dict[type, dict[str, int]] = {
         "q_proj.weight": 0, "q_b_proj.weight": 0, "kv_b_proj.weight": 0, "g_proj.weight": 0,
         "o_proj.weight": 1},  # q_a/kv_a down-projections and their norms: replicated
     SiTUMLP: {"gate_proj.weight": 0, "up_proj.weight": 0, "down_proj.weight": 1},
+    K3Model: {"lm_head.weight": 0},  # vocabulary-parallel head and loss
 }
 
 
@@ -79,6 +83,10 @@ def apply_tensor_parallel(model: K3Model, tp_mesh) -> None:
         if isinstance(module, (KimiDeltaAttention, GatedMLA, SiTUMLP)):
             _make_region(module, group)
     rank = tp_mesh.get_local_rank()
+    if model.lm_head is not None:
+        model.cross_entropy = functools.partial(
+            vocab_parallel_cross_entropy, group=group,
+            vocab_start=rank * (model.config.vocab_size // tp))
     if model.embed_tokens is not None:  # full lookup, keep this rank's sequence slice
         model.embed_tokens.register_forward_hook(
             lambda mod, args, out: out.chunk(tp, dim=1)[rank].contiguous())
@@ -90,24 +98,17 @@ def apply_tensor_parallel(model: K3Model, tp_mesh) -> None:
     model.tp_group = group  # type: ignore[assignment]
 
 
-# torch >= 2.12 names them *_single_autograd; 2.11 has only the *_tensor_autograd spelling
-_all_gather = (getattr(funcol, "all_gather_single_autograd", None)
-               or funcol.all_gather_tensor_autograd)
-_reduce_scatter = (getattr(funcol, "reduce_scatter_single_autograd", None)
-                   or funcol.reduce_scatter_tensor_autograd)
-
-
 def _make_region(module: nn.Module, group) -> None:
     """Sequence-slice input -> full sequence in, partial sums -> reduce-scattered slices out."""
 
     def gather(mod, args):
         x, *rest = args
         dim = 1 if x.ndim == 3 else 0  # [B, T/tp, d] or flattened tokens [S/tp, d]
-        return (_all_gather(x.contiguous(), dim, group), *rest)
+        return (all_gather(x.contiguous(), dim, group), *rest)
 
     def scatter(mod, args, out):
         dim = 1 if out.ndim == 3 else 0
-        return _reduce_scatter(out.contiguous(), "sum", dim, group)
+        return reduce_scatter(out.contiguous(), "sum", dim, group)
 
     module.register_forward_pre_hook(gather)
     module.register_forward_hook(scatter)

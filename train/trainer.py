@@ -88,7 +88,9 @@ def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
             loss, _, grad_norm = train_step(pm, optimizer, batches, env, job.optim.grad_clip)
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
-            loads = balance_routers(model, meshes.batch_group)
+            loads = _layer_stats(model, balance_routers(model, meshes.batch_group),
+                                 ep_load_metrics(model),
+                                 meshes.pp.get_group() if meshes.pp is not None else None)
             state["step"] += 1
             state["tokens_seen"] += job.data.global_batch * job.data.seq_len
             dt = time.perf_counter() - t0
@@ -97,7 +99,7 @@ def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
                 "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_sec": tps,
                 "mfu": mfu(tps / env.world_size, fpt, peak) if peak else None,
                 "step_time_s": dt, "tokens_seen": state["tokens_seen"],
-                "expert_load_max_over_mean": loads, **ep_load_metrics(model),
+                **loads,
                 **memory_stats(env.device)}
             if job.train.log_sample_ids:
                 scalars["sample_ids"] = _global_sample_ids(batches, env, meshes.dp_group)
@@ -143,7 +145,8 @@ def train_step(pm: ParallelModel, optimizer: torch.optim.Optimizer, batches: lis
                          labels=mb["labels"].to(env.device))
             (s * scale).backward()
             loss_sum += s.detach().double()
-    dist.all_reduce(loss_sum)  # sequence slices (tp), data ranks; 0 on non-last pp stages
+    dist.all_reduce(loss_sum)  # data ranks; 0 on non-last pp stages
+    loss_sum /= dims.tp  # the vocabulary-parallel loss: every tp rank holds the full sum
     if pm.tp_params:
         allreduce_replicated_grads(pm.tp_params, pm.meshes.tp.get_group())
     finalize_expert_grads(pm.expert_params, dims.dp)
@@ -178,11 +181,11 @@ def balance_routers(model: K3Model, group=None) -> float | None:
     """Sum QB histograms and expert loads over the ranks that route other tokens through the
     same layers (`group`: dp x tp; default all), in one all-reduce; update router biases.
 
-    Returns the mean over MoE layers of max/mean expert load this step (None without MoE).
+    Returns max/mean expert load this step of each of this rank's MoE layers.
     """
     routers = [m.gate for m in model.moe_layers()]
     if not routers:
-        return None
+        return []
     flat = torch.cat([torch.cat([r.qb_counts.flatten(), r.expert_load]) for r in routers])
     dist.all_reduce(flat, group=group)
     offset = 0
@@ -192,9 +195,28 @@ def balance_routers(model: K3Model, group=None) -> float | None:
         r.expert_load.copy_(flat[offset + n:offset + n + E])
         offset += n + E
         r.apply_quantile_balancing()
-    ratios = [float(r.expert_load.max()) / max(float(r.expert_load.float().mean()), 1e-9)
-              for r in routers]
-    return sum(ratios) / len(ratios)
+    return [float(r.expert_load.max()) / max(float(r.expert_load.float().mean()), 1e-9)
+            for r in routers]
+
+
+def _layer_stats(model: K3Model, ratios: list[float], ep: dict, pp_group) -> dict:
+    """Per-MoE-layer load statistics of the whole model (gathered over pipeline stages), with
+    their means over layers."""
+    rows = list(zip(moe_layer_indices(model), ratios, ep.get("ep_rank_load_static", []) or
+                    [None] * len(ratios), ep.get("ep_rank_load_replicated", []) or
+                    [None] * len(ratios)))
+    if pp_group is not None:
+        parts: list = [None] * dist.get_world_size(pp_group)
+        dist.all_gather_object(parts, rows, group=pp_group)
+        rows = sorted(r for part in parts for r in part)
+    out: dict = {"expert_load_max_over_mean":
+                 sum(r[1] for r in rows) / len(rows) if rows else None}
+    if rows and rows[0][2] is not None:
+        static, replicated = [r[2] for r in rows], [r[3] for r in rows]
+        out.update(ep_rank_load_static=static, ep_rank_load_replicated=replicated,
+                   ep_rank_load_static_mean=sum(static) / len(static),
+                   ep_rank_load_replicated_mean=sum(replicated) / len(replicated))
+    return out
 
 
 def _global_sample_ids(batches: list[dict], env: DistEnv, group) -> list[int]:

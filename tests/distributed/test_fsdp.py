@@ -18,7 +18,7 @@ def _sharded_equals_single_device(rank: int, world: int) -> None:
     from train.config import ParallelConfig
 
     dims = ParallelDims.from_config(ParallelConfig(), world)
-    mesh = dims.build_mesh("cpu")
+    mesh = dims.build_meshes("cpu").dp
     sharded = build_model("debug", device="meta")
     apply_fsdp(sharded, mesh)
     sharded.to_empty(device="cpu")

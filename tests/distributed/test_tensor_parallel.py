@@ -30,8 +30,7 @@ def _grads_tp(rank: int, world: int, dims_tp: int, path: str) -> None:
     init_weights(model, 0, write=dtensor_writer)
     ids, labels, cu = packed_batch()
     loss, _ = model(ids, cu, labels=labels)
-    total = loss.detach().clone()
-    torch.distributed.all_reduce(total)
+    total = loss.detach().clone()  # vocabulary-parallel loss: the full sum on every tp rank
     loss.backward()
     allreduce_replicated_grads(tp_replicated_params(model.parameters(), mesh), mesh.get_group())
     grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)

@@ -71,6 +71,10 @@ def test_losses_equal_one_rank(runs, name):
     for r, g in zip(ref, got, strict=True):
         assert _close(g["loss"], r["loss"], 1e-6), (name, r["step"], g["loss"], r["loss"])
         assert _close(g["grad_norm"], r["grad_norm"], 1e-6), (name, g["grad_norm"])
+        # routing statistics gathered over pipeline stages and summed over sequence slices
+        assert _close(g["expert_load_max_over_mean"], r["expert_load_max_over_mean"], 1e-9)
+    if "parallel.ep=2" in LAYOUTS[name]:
+        assert all(len(m["ep_rank_load_static"]) == 7 for m in got)  # one per MoE layer
 
 
 @pytest.mark.parametrize("name", list(SCHEDULES))

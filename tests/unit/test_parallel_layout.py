@@ -1,0 +1,91 @@
+"""Layout arithmetic without processes: ParallelDims validation, pipeline stage splits, stage
+placement per schedule, the AttnRes state shapes that cross stage boundaries."""
+
+from __future__ import annotations
+
+import pytest
+
+from model.config import ConfigError, load_model_config
+from parallel.dims import ParallelDims
+from parallel.pipeline import layer_costs, split_stages, stage_indices, stage_io_meta
+from train.config import ParallelConfig
+
+
+def dims(world: int, **kw) -> ParallelDims:
+    return ParallelDims.from_config(ParallelConfig(**kw), world)
+
+
+def test_dp_shard_fills_the_world():
+    d = dims(16, tp=2, pp=2)
+    assert (d.pp, d.dp_shard, d.tp, d.dp) == (2, 4, 2, 4)
+
+
+@pytest.mark.parametrize("kw, world, field", [
+    (dict(tp=3), 6, "model.kda_num_heads"),
+    (dict(pp=2, pp_schedule="Interleaved1F1B"), 4, "pp_virtual_stages"),
+    (dict(pp=2, pp_schedule="1F1B", pp_virtual_stages=2), 4, "pp_virtual_stages"),
+    (dict(pp=2, pp_schedule="Zigzag"), 4, "pp_schedule"),
+    (dict(cp=2), 2, "parallel.cp"),
+    (dict(tp=2), 3, "world size 3"),
+])
+def test_bad_layouts_name_the_field(kw, world, field):
+    cfg = load_model_config("debug")
+    with pytest.raises(ConfigError) as e:
+        dims(world, **kw).validate_model(cfg, seq_len=64, microbatches=4)
+    assert field in str(e.value) and "\n" not in str(e.value)
+
+
+def test_model_checks():
+    cfg = load_model_config("debug")
+    with pytest.raises(ConfigError, match="num_hidden_layers"):
+        dims(16, pp=8, pp_schedule="Interleaved1F1B", pp_virtual_stages=2).validate_model(cfg)
+    with pytest.raises(ConfigError, match="data.seq_len=63"):
+        dims(2, tp=2).validate_model(cfg, seq_len=63)
+    with pytest.raises(ConfigError, match="micro-batches"):
+        dims(4, pp=4).validate_model(cfg, seq_len=64, microbatches=2)
+
+
+def test_stages_are_contiguous_and_balanced():
+    cfg = load_model_config("debug")
+    costs = layer_costs(cfg)
+    for n in (1, 2, 4, 8):
+        splits = split_stages(cfg, n)
+        assert [i for s in splits for i in s] == list(range(cfg.num_hidden_layers))
+        assert all(splits)
+    # the optimum beats (or equals) the naive equal-count split of 4 stages
+    with_head = costs[:-1] + [costs[-1] + cfg.vocab_size * cfg.hidden_size]
+    best = max(sum(with_head[i] for i in s) for s in split_stages(cfg, 4))
+    naive = max(sum(with_head[i:i + 2]) for i in range(0, 8, 2))
+    assert best <= naive
+
+
+def test_k3_stage_split_is_balanced():
+    cfg = load_model_config("k3")
+    splits = split_stages(cfg, 16)
+    costs = layer_costs(cfg)
+    per_stage = [sum(costs[i] for i in s) for s in splits]
+    assert max(per_stage) / min(per_stage) < 1.5
+    assert splits[0][0] == 0 and splits[-1][-1] == 92
+
+
+def test_stage_placement():
+    assert stage_indices(0, 2, 4, "Interleaved1F1B") == [0, 2]
+    assert stage_indices(1, 2, 4, "Interleaved1F1B") == [1, 3]
+    assert stage_indices(0, 2, 4, "ZBVZeroBubble") == [0, 3]  # the V: first and last stage
+    assert stage_indices(1, 4, 4, "1F1B") == [1]
+
+
+def test_attnres_state_grows_one_snapshot_per_block():
+    cfg = load_model_config("debug")  # block size 3: layers 0, 3, 6 start blocks
+    splits = [[0, 1], [2, 3], [4, 5], [6, 7]]
+    ins, outs = stage_io_meta(cfg, splits, 1, 2, 64, 2, torch_float())
+    assert ins[0].shape == (2, 32, 64) and ins[1].shape == (1, 2, 32, 64)  # emb only
+    assert outs[1].shape == (2, 2, 32, 64)  # + block of layers 0-2 (started by layer 3)
+    ins, outs = stage_io_meta(cfg, splits, 3, 2, 64, 2, torch_float())
+    assert ins[1].shape[0] == 2 and outs[0].shape == ()  # last stage returns the loss
+
+
+def torch_float():
+    import torch
+
+    return torch.float32
