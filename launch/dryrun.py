@@ -43,16 +43,20 @@ def describe_rank(job, dims, meshes, pp_rank: int) -> dict:
 
     out, _ = shard_on_meta(job, dims, meshes, pp_rank, log=lambda m: None)
     expert_ids = {id(p) for p in out.expert_params}
-    local_dense = local_expert = gathered_dense = 0
+    local_dense = local_expert = gathered_dense = gathered_expert = 0
     for p in out.model.parameters():
         n = _local_numel(p)
         if id(p) in expert_ids:
             local_expert += n
+            gathered_expert += p.numel() // dims.ep  # FSDP over edp gathers the ep shard
         else:
             local_dense += n
             gathered_dense += _tp_local_numel(p)
     compute_bytes = {"bf16": 2, "fp32": 4, "fp64": 8}[job.cluster.param_dtype]
-    gathered = gathered_dense * compute_bytes if dims.pp > 1 else 0
+    # under PP every layer of the rank stays gathered between micro-batches; experts gathered
+    # by FSDP only when ep < dp_shard (else they are never sharded beyond ep)
+    gathered = (gathered_dense + (gathered_expert if dims.edp > 1 else 0)) * compute_bytes \
+        if dims.pp > 1 else 0
     local = local_dense + local_expert
     layers = sorted(int(k) for k in out.model.layers.keys())
     return {

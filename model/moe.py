@@ -83,7 +83,21 @@ class RoutedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, intermediate, latent, device=device))
         self.w2 = nn.Parameter(torch.empty(num_experts, latent, intermediate, device=device))
 
-    def forward(self, x: torch.Tensor, group_sizes: torch.Tensor,
+    def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
+                dispatcher) -> torch.Tensor:
+        """Latent tokens x [S, l] and their routing -> the fp32 weighted expert sum [S, l].
+
+        Dispatch, the expert weights (with expert parallelism: home experts plus replicas
+        fetched from their owners), the grouped GEMMs and the combine all run inside this one
+        module call, so a wrapper that gathers the parameters around `forward` (FSDP over the
+        expert-data-parallel ranks) sees every use of them, and in backward the gradients that
+        replicas send home arrive before the gradient of `x` leaves the module."""
+        x_grouped, group_sizes, handle = dispatcher.dispatch(x, topk_idx, topk_weight)
+        weights = dispatcher.expert_weights(handle, self)
+        y_grouped = self.grouped(x_grouped, group_sizes, weights)  # [R, l]
+        return dispatcher.combine(y_grouped, handle)
+
+    def grouped(self, x: torch.Tensor, group_sizes: torch.Tensor,
                 weights: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
         """x [R, l] rows grouped by GEMM group; group_sizes [G] -> [R, l].
 
@@ -118,10 +132,7 @@ class LatentMoE(nn.Module):
         xs = x.reshape(-1, shape[-1])  # [S, d]
         topk_idx, topk_weight = self.gate(xs)
         x_latent = self.routed_expert_down_proj(xs)  # [S, l]
-        x_grouped, group_sizes, handle = self.dispatcher.dispatch(x_latent, topk_idx, topk_weight)
-        weights = self.dispatcher.expert_weights(handle, self.experts)
-        y_grouped = self.experts(x_grouped, group_sizes, weights)  # [R, l]
-        u = self.dispatcher.combine(y_grouped, handle)  # [S, l] fp32
+        u = self.experts(x_latent, topk_idx, topk_weight, self.dispatcher)  # [S, l] fp32
         if self.routed_expert_norm is not None:
             u = self.routed_expert_norm(u)
         y = self.routed_expert_up_proj(u.to(x.dtype))

@@ -4,8 +4,10 @@ Dense mesh dims follow torchtitan's order `[pp, dp_replicate, dp_shard, tp]` (co
 parallelism, `cp`, is reserved and must be 1). Data parallelism is FSDP2 over dp_shard (HSDP
 when dp_replicate > 1); tensor parallelism shards heads and MLP columns with sequence
 parallelism between them (`parallel.tensor_parallel`); pipeline parallelism splits the layers
-into stages (`parallel.pipeline`); expert parallelism shards routed experts over the dp_shard
-ranks (ep = dp_shard) with MoonEP dispatch. Every check is a one-line error naming the field.
+into stages (`parallel.pipeline`); expert parallelism splits dp_shard into (edp, ep): routed
+experts are sharded over the ep ranks (MoonEP dispatch) and by FSDP over the edp ranks, on an
+expert mesh `[pp, edp, ep, tp]` over the same ranks. Every check is a one-line error naming
+the field.
 """
 
 from __future__ import annotations
@@ -73,17 +75,22 @@ class ParallelDims:
         if schedule == "ZBVZeroBubble" and dims.pp > 1 and virtual != 2:
             raise ConfigError("parallel.pp_schedule=ZBVZeroBubble needs "
                               "parallel.pp_virtual_stages=2 (the V shape)")
-        if dims.ep > 1 and (dims.ep != dims.dp_shard or dims.dp_replicate != 1):
+        if dims.ep > 1 and (dims.dp_shard % dims.ep or dims.dp_replicate != 1):
             raise ConfigError(
-                f"parallel.ep={dims.ep} must equal parallel.dp_shard={dims.dp_shard} with "
-                f"dp_replicate=1 for now (experts sharded over all data ranks); use "
-                f"parallel.ep={dims.dp_shard} or parallel.ep=1")
+                f"parallel.ep={dims.ep} must divide parallel.dp_shard={dims.dp_shard} with "
+                f"dp_replicate=1 (experts are sharded over ep ranks and by FSDP over the other "
+                f"dp_shard / ep); use a divisor of {dims.dp_shard} or parallel.ep=1")
         return dims
 
     @property
     def dp(self) -> int:
         """Data-parallel degree: ranks that see different samples."""
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel degree: ranks holding the same experts (FSDP shards them)."""
+        return self.dp_shard // self.ep
 
     @property
     def num_stages(self) -> int:
@@ -135,11 +142,17 @@ class ParallelDims:
         dp_flat = world["dp_replicate", "dp_shard"]._flatten("dp")
         batch = world["dp_replicate", "dp_shard", "tp"]._flatten("dp_tp")
         dp_rank = dp_flat.get_local_rank()
-        return Meshes(world=world, dp=dp, tp=world["tp"] if self.tp > 1 else None,
-                      pp=world["pp"] if self.pp > 1 else None,
-                      ep=world["dp_shard"] if self.ep > 1 else None,
-                      dp_group=dp_flat.get_group(), batch_group=batch.get_group(),
-                      dp_rank=dp_rank, pp_rank=world.get_local_rank("pp"))
+        meshes = Meshes(world=world, dp=dp, tp=world["tp"] if self.tp > 1 else None,
+                        pp=world["pp"] if self.pp > 1 else None, ep=None,
+                        dp_group=dp_flat.get_group(), batch_group=batch.get_group(),
+                        dp_rank=dp_rank, pp_rank=world.get_local_rank("pp"))
+        if self.ep > 1:  # the same ranks in the same order, dp_shard split into (edp, ep)
+            experts = init_device_mesh(device_type, (self.pp, self.edp, self.ep, self.tp),
+                                       mesh_dim_names=("pp", "edp", "ep", "tp"))
+            meshes.ep = experts["ep"]
+            meshes.edp = experts["edp"] if self.edp > 1 else None
+            meshes.expert_params = experts["ep", "tp"] if self.tp > 1 else experts["ep"]
+        return meshes
 
 
 @dataclass
@@ -157,3 +170,5 @@ class Meshes:
     batch_group: object
     dp_rank: int
     pp_rank: int
+    edp: object | None = None  # FSDP mesh of the routed experts when ep < dp_shard
+    expert_params: object | None = None  # the mesh the expert DTensors live on: ep (x tp)

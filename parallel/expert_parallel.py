@@ -4,11 +4,12 @@ Each MoE layer's routed-expert stacks w1/w3/w2 [E, ...] become DTensors sharded 
 (Shard(0)) over the EP mesh, so every rank holds E/ep home experts and checkpoints stay
 layout-free (DCP reshards them into any other layout). The layer's dispatcher becomes a
 `moonep.MoonEPDispatcher`: tokens go to the ranks owning (or replicating) their experts and the
-grouped GEMM runs over [home experts | replicas]. FSDP leaves the expert stacks alone
-(`ignored_params`); because FSDP averages the other gradients over data ranks while the loss is
-pre-multiplied by the data-parallel size, `finalize_expert_grads` divides the expert gradients
-by that size after backward. This version shards experts over all data ranks (ep = dp_shard);
-expert-data-parallel replication of the shards (edp > 1) is not implemented yet.
+grouped GEMM runs over [home experts | replicas]. When ep = dp_shard the layers' FSDP leaves
+the expert stacks alone (`ignored_params`); when ep < dp_shard each MoE layer's `experts` module
+is its own FSDP unit over the edp ranks that hold the same experts (`parallel.parallelize`).
+Replicas are fetched from the gathered home weights inside that unit's forward, so their
+gradients are summed home before FSDP reduce-scatters. `finalize_expert_grads` removes the
+data-parallel loss factor FSDP did not (see there).
 """
 
 from __future__ import annotations
@@ -61,12 +62,13 @@ def apply_expert_parallel(model: nn.Module, mesh, replicas: bool = True,
     `param_mesh`: under tensor parallelism, the 2-D mesh (ep, tp) the expert DTensors live on,
     replicated over tp (each tp rank routes its own sequence slice through the same experts)."""
     params: set[nn.Parameter] = set()
-    placements = [Shard(0)] if param_mesh is None else [Shard(0), Replicate()]
+    param_mesh = param_mesh or mesh
+    placements = [Shard(0)] + [Replicate()] * (param_mesh.ndim - 1)
     for moe in model.moe_layers():  # type: ignore[union-attr]
         experts = moe.experts
         for name in EXPERT_PARAMS:
             p = getattr(experts, name)
-            sharded = nn.Parameter(distribute_tensor(p.data, param_mesh or mesh, placements,
+            sharded = nn.Parameter(distribute_tensor(p.data, param_mesh, placements,
                                                      src_data_rank=None))
             setattr(experts, name, sharded)
             params.add(sharded)
@@ -98,8 +100,12 @@ def ep_load_metrics(model: nn.Module) -> dict[str, list[float] | float]:
             "ep_rank_load_replicated_mean": sum(replicated) / len(replicated)}
 
 
-def finalize_expert_grads(expert_params: set[nn.Parameter], dp: int) -> None:
-    """Undo the data-parallel loss factor on the expert gradients (FSDP did it for the rest)."""
+def finalize_expert_grads(expert_params: set[nn.Parameter], ep: int) -> None:
+    """Undo the rest of the data-parallel loss factor on the expert gradients.
+
+    The loss is pre-multiplied by dp (FSDP averages dense gradients over dp). A home expert sums
+    the gradients of every token its ep group routed to it, and FSDP over the edp ranks averages
+    those: dp / edp = ep is left over."""
     for p in expert_params:
         if p.grad is not None:
-            p.grad.div_(dp)
+            p.grad.div_(ep)

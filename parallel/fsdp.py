@@ -38,11 +38,15 @@ def apply_fsdp(model: nn.Module, mesh, param_dtype: str = "fp32", reduce_dtype: 
 
 def fsdp_kwargs(mesh, param_dtype: str = "fp32", reduce_dtype: str = "fp32",
                 reshard_after_forward: bool = True,
-                ignored_params: set[nn.Parameter] | None = None) -> dict:
-    """Keyword arguments of `fully_shard` for one job (mixed precision, resharding)."""
+                ignored_params: set[nn.Parameter] | None = None,
+                cast_forward_inputs: bool = True) -> dict:
+    """Keyword arguments of `fully_shard` for one job (mixed precision, resharding).
+
+    `cast_forward_inputs=False` for the routed experts: their routing weights stay fp32."""
     if param_dtype == "fp64":  # verification mode: float64 master weights, compute, reduction
         reduce_dtype = "fp64"
-    mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype],
+                              cast_forward_inputs=cast_forward_inputs)
     kw = {"mesh": mesh, "mp_policy": mp, "reshard_after_forward": reshard_after_forward}
     if ignored_params:
         kw["ignored_params"] = ignored_params

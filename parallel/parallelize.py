@@ -91,9 +91,8 @@ def shard_on_meta(job, dims: ParallelDims, meshes: Meshes, pp_rank: int, log=pri
         out.stages = stage_indices(pp_rank, dims.pp, dims.num_stages, dims.pp_schedule)
         prune_to_stages(model, out.splits, out.stages)
     if dims.expert_parallel:
-        param_mesh = meshes.world["dp_shard", "tp"] if dims.tp > 1 else None
         out.expert_params = apply_expert_parallel(model, meshes.ep, job.parallel.ep_replicas,
-                                                  param_mesh=param_mesh)
+                                                  param_mesh=meshes.expert_params)
     p = job.precision
     if p.gemm == "mxfp8":
         converted = apply_mxfp8(model, p.targets, p.mx_mode, p.wgrad_hp)
@@ -105,18 +104,28 @@ def shard_on_meta(job, dims: ParallelDims, meshes: Meshes, pp_rank: int, log=pri
     apply_activation_checkpointing(layers, job.parallel.activation_checkpoint)
     if job.parallel.compile:
         apply_compile(layers, job.parallel.compile_backend)
+    reshard = job.parallel.reshard_after_forward and dims.pp == 1
+    ignored = out.expert_params
+    if meshes.edp is not None:  # experts: FSDP over the expert-data-parallel ranks
+        kw = fsdp_kwargs(meshes.edp, job.cluster.param_dtype, job.cluster.reduce_dtype,
+                         reshard_after_forward=reshard, cast_forward_inputs=False)
+        for moe in model.moe_layers():
+            fully_shard(moe.experts, **kw)
+        ignored = set()  # the layers' FSDP units skip parameters already sharded inside
     stage_modules = []
     if dims.pp > 1:
         stage_modules = [PipelineStageModule(model, out.splits[s], s == 0,
                                              s == dims.num_stages - 1) for s in out.stages]
         # under PP, layers keep their parameters gathered between micro-batches (trap 1)
         kw = fsdp_kwargs(meshes.dp, job.cluster.param_dtype, job.cluster.reduce_dtype,
-                         reshard_after_forward=False, ignored_params=out.expert_params)
+                         reshard_after_forward=False, ignored_params=ignored)
         for layer in layers:
             fully_shard(layer, **kw)
         for m in stage_modules:  # the stage root: embedding / output parts, and no-sync control
             fully_shard(m, **kw)
     else:
         apply_fsdp(model, meshes.dp, job.cluster.param_dtype, job.cluster.reduce_dtype,
-                   job.parallel.reshard_after_forward, ignored_params=out.expert_params)
+                   job.parallel.reshard_after_forward, ignored_params=ignored)
+    if out.expert_params:  # FSDP replaced the parameter objects
+        out.expert_params = expert_parameters(model)
     return out, stage_modules
