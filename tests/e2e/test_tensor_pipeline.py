@@ -21,19 +21,19 @@ ARGS = ["train.steps=5", "checkpoint.interval=3", "cluster.param_dtype=fp64"]
 LAYOUTS = {  # activation checkpointing rides along in two layouts (it must change nothing)
     "dp4": [],
     "tp2_dp2": ["parallel.tp=2", "parallel.activation_checkpoint=full"],
-    "pp2_dp2": ["parallel.pp=2"],
+    "pp2_dp2": ["parallel.pp=2", "parallel.pp_schedule=GPipe"],
     "pp2_tp2": ["parallel.pp=2", "parallel.tp=2", "parallel.activation_checkpoint=selective"],
     "pp2v2_dp2": ["parallel.pp=2", "parallel.pp_schedule=Interleaved1F1B",
                   "parallel.pp_virtual_stages=2"],
     "ep2_tp2": ["parallel.ep=2", "parallel.tp=2"],
 }
-# the other schedules, 2 steps on 2 ranks (pp 2)
+ZBV = ["parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble", "parallel.pp_virtual_stages=2"]
+# the two remaining schedules (1F1B, GPipe, Interleaved1F1B above; ZBVZeroBubble resumes the
+# layout switch below): 2 steps on 2 ranks (pp 2)
 SCHEDULES = {
-    "GPipe": ["parallel.pp_schedule=GPipe"],
     "LoopedBFS": ["parallel.pp_schedule=LoopedBFS", "parallel.pp_virtual_stages=2"],
     "InterleavedZeroBubble": ["parallel.pp_schedule=InterleavedZeroBubble",
                               "parallel.pp_virtual_stages=2"],
-    "ZBVZeroBubble": ["parallel.pp_schedule=ZBVZeroBubble", "parallel.pp_virtual_stages=2"],
 }
 
 
@@ -48,15 +48,15 @@ def runs(tmp_path_factory):
     for name, extra in SCHEDULES.items():
         out[name] = root / name
         pretrain(out[name], *ARGS, "train.stop_at_step=2", "parallel.pp=2", *extra, nproc=2)
-    fp32 = ["train.steps=5", "checkpoint.enabled=false"]
+    fp32 = ["train.steps=3", "checkpoint.enabled=false"]
     out["ref_fp32"], out["pp2_tp2_fp32"] = root / "ref_fp32", root / "pp2_tp2_fp32"
     pretrain(out["ref_fp32"], *fp32)
     pretrain(out["pp2_tp2_fp32"], *fp32, *LAYOUTS["pp2_tp2"], nproc=4, timeout=600)
-    # resume tp2 x dp2's step-3 checkpoint as pp2 x dp2 (interleaved): the run goes on unchanged
+    # resume tp2 x dp2's step-3 checkpoint as pp2 x dp2 (zero-bubble V): the run goes on unchanged
     out["switch"] = root / "switch"
     shutil.copytree(out["tp2_dp2"] / "checkpoints" / "step-00000003",
                     out["switch"] / "checkpoints" / "step-00000003")
-    pretrain(out["switch"], *ARGS, *LAYOUTS["pp2v2_dp2"], nproc=4, timeout=600)
+    pretrain(out["switch"], *ARGS, *ZBV, nproc=4, timeout=600)
     return out
 
 
@@ -87,7 +87,7 @@ def test_schedules_equal_one_rank(runs, name):
 
 def test_fp32_losses_equal_one_rank(runs):
     ref, got = losses(runs["ref_fp32"]), losses(runs["pp2_tp2_fp32"])
-    assert sorted(got) == [1, 2, 3, 4, 5]
+    assert sorted(got) == [1, 2, 3]
     for s in ref:
         assert _close(got[s], ref[s]), (s, got[s], ref[s])
 
