@@ -127,6 +127,22 @@ def _truncate_jsonl(path: Path, resume_step: int) -> None:
     os.replace(tmp, path)
 
 
+def wandb_values(values: dict) -> dict[str, float | int]:
+    """The W&B form of a metrics record: scalars as they are; per-MoE-layer lists (same length
+    as `moe_layer_ids`) become one chart per layer, `<key>/L<layer>`; other lists are dropped."""
+    layers = values.get("moe_layer_ids") or []
+    out: dict[str, float | int] = {}
+    for k, v in values.items():
+        if v is None or k in ("moe_layer_ids", "sample_ids"):
+            continue
+        if isinstance(v, list):
+            if len(v) == len(layers) and all(isinstance(x, (int, float)) for x in v):
+                out.update({f"{k}/L{layer}": x for layer, x in zip(layers, v, strict=True)})
+            continue
+        out[k] = v
+    return out
+
+
 class MetricsLogger:
     def __init__(self, run_dir: Path, rank: int, total_steps: int, config: dict,
                  wandb_mode: str = "auto", wandb_project: str = "k3train",
@@ -231,8 +247,7 @@ class MetricsLogger:
             else:
                 print(line, flush=True)
         if self.wandb_run is not None:
-            self.wandb_run.log({k: v for k, v in values.items()
-                                if v is not None and not isinstance(v, list)}, step=step)
+            self.wandb_run.log(wandb_values(values), step=step)
 
     def log_images(self, step: int, expert_load: np.ndarray, attnres_weights: np.ndarray,
                    attnres_labels: list[str], router_bias: np.ndarray,

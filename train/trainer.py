@@ -210,7 +210,9 @@ def _layer_stats(model: K3Model, ratios: list[float], ep: dict, pp_group) -> dic
         dist.all_gather_object(parts, rows, group=pp_group)
         rows = sorted(r for part in parts for r in part)
     out: dict = {"expert_load_max_over_mean":
-                 sum(r[1] for r in rows) / len(rows) if rows else None}
+                 sum(r[1] for r in rows) / len(rows) if rows else None,
+                 "expert_load_per_layer": [r[1] for r in rows],
+                 "moe_layer_ids": [r[0] for r in rows]}
     if rows and rows[0][2] is not None:
         static, replicated = [r[2] for r in rows], [r[3] for r in rows]
         out.update(ep_rank_load_static=static, ep_rank_load_replicated=replicated,

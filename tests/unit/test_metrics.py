@@ -209,3 +209,15 @@ def test_expert_load_and_bias_matrices(debug_model):
 def test_memory_stats_cpu():
     stats = memory_stats("cpu")
     assert 0 < stats["max_mem_gib"] < 1024
+
+
+def test_wandb_gets_one_chart_per_moe_layer():
+    from train.metrics import wandb_values
+
+    record = {"loss": 2.5, "lr": None, "sample_ids": [4, 5, 6],
+              "moe_layer_ids": [1, 2, 5], "ep_rank_load_static": [1.5, 1.2, 1.9],
+              "ep_rank_load_replicated": [1.0, 1.0, 1.0], "odd_list": [1, 2]}
+    out = wandb_values(record)
+    assert out == {"loss": 2.5, "ep_rank_load_static/L1": 1.5, "ep_rank_load_static/L2": 1.2,
+                   "ep_rank_load_static/L5": 1.9, "ep_rank_load_replicated/L1": 1.0,
+                   "ep_rank_load_replicated/L2": 1.0, "ep_rank_load_replicated/L5": 1.0}
