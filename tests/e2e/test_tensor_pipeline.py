@@ -18,17 +18,16 @@ import torch
 from tests.helpers.runs import losses, metrics, pretrain
 
 ARGS = ["train.steps=5", "checkpoint.interval=3", "cluster.param_dtype=fp64"]
-LAYOUTS = {  # activation checkpointing rides along in two layouts (it must change nothing)
+LAYOUTS = {  # activation checkpointing and expert parallelism ride along (they change nothing)
     "dp4": [],
-    "tp2_dp2": ["parallel.tp=2", "parallel.activation_checkpoint=full"],
-    "pp2_dp2": ["parallel.pp=2", "parallel.pp_schedule=GPipe"],
+    "tp2_dp2": ["parallel.tp=2", "parallel.ep=2", "parallel.activation_checkpoint=full"],
+    "pp2_dp2": ["parallel.pp=2", "parallel.pp_schedule=GPipe", "parallel.ep=2"],
     "pp2_tp2": ["parallel.pp=2", "parallel.tp=2", "parallel.activation_checkpoint=selective"],
     "pp2v2_dp2": ["parallel.pp=2", "parallel.pp_schedule=Interleaved1F1B",
                   "parallel.pp_virtual_stages=2"],
-    "ep2_tp2": ["parallel.ep=2", "parallel.tp=2"],
 }
 ZBV = ["parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble", "parallel.pp_virtual_stages=2"]
-# the two remaining schedules (1F1B, GPipe, Interleaved1F1B above; ZBVZeroBubble resumes the
+# the two remaining schedules (1F1B, GPipe, Interleaved1F1B above; ZBVZeroBubble resumes a
 # layout switch below): 2 steps on 2 ranks (pp 2)
 SCHEDULES = {
     "LoopedBFS": ["parallel.pp_schedule=LoopedBFS", "parallel.pp_virtual_stages=2"],
@@ -52,11 +51,13 @@ def runs(tmp_path_factory):
     out["ref_fp32"], out["pp2_tp2_fp32"] = root / "ref_fp32", root / "pp2_tp2_fp32"
     pretrain(out["ref_fp32"], *fp32)
     pretrain(out["pp2_tp2_fp32"], *fp32, *LAYOUTS["pp2_tp2"], nproc=4, timeout=600)
-    # resume tp2 x dp2's step-3 checkpoint as pp2 x dp2 (zero-bubble V): the run goes on unchanged
-    out["switch"] = root / "switch"
-    shutil.copytree(out["tp2_dp2"] / "checkpoints" / "step-00000003",
-                    out["switch"] / "checkpoints" / "step-00000003")
-    pretrain(out["switch"], *ARGS, *ZBV, nproc=4, timeout=600)
+    # layout switches at step 3, then the run goes on unchanged: one rank -> pp2 x dp2 (zero-
+    # bubble V); tp2 x dp2 x ep2 -> one rank
+    for name, src, extra, nproc in (("to_zbv", "ref", ZBV, 4), ("to_one", "tp2_dp2", [], 1)):
+        out[name] = root / name
+        shutil.copytree(out[src] / "checkpoints" / "step-00000003",
+                        out[name] / "checkpoints" / "step-00000003")
+        pretrain(out[name], *ARGS, *extra, nproc=nproc, timeout=600)
     return out
 
 
@@ -109,11 +110,14 @@ def test_parameters_equal_one_rank(runs, name):
     assert moved > 50
 
 
-def test_resume_under_another_layout(runs):
-    ref, got = losses(runs["ref"]), losses(runs["switch"])
-    assert sorted(got) == [4, 5]  # steps 1-3 came from the tp2 x dp2 checkpoint
-    for s in got:
-        assert _close(got[s], ref[s], 1e-6), (s, got[s], ref[s])
+@pytest.mark.parametrize("name", ["to_zbv", "to_one"])
+def test_resume_under_another_layout(runs, name):
+    ref, got = metrics(runs["ref"]), metrics(runs[name])
+    assert [m["step"] for m in got] == [4, 5]  # steps 1-3 came from the other layout
+    for g in got:
+        r = ref[g["step"] - 1]
+        assert _close(g["loss"], r["loss"], 1e-6), (name, g["step"], g["loss"], r["loss"])
+        assert g["sample_ids"] == r["sample_ids"]  # the loader resumed at the same sample
 
 
 def test_same_samples_in_every_layout(runs):
