@@ -15,7 +15,8 @@ from model.ops.attnres import attnres_mix, attnres_weights
 
 def attnres_query(norm_weight: torch.Tensor, proj_weight: torch.Tensor) -> torch.Tensor:
     """[d] pseudo-query = norm.weight * proj.weight[0]."""
-    return norm_weight.float() * proj_weight[0].float()
+    compute = torch.promote_types(norm_weight.dtype, torch.float32)
+    return norm_weight.to(compute) * proj_weight[0].to(compute)
 
 
 def mix(prefix: torch.Tensor, blocks: torch.Tensor, norm: nn.Module, proj: nn.Linear,

@@ -19,6 +19,11 @@ from dataclasses import dataclass
 import torch
 
 
+def _combine_dtype(topk_weight: torch.Tensor) -> torch.Tensor:
+    """The routing weights in the combine's accumulation dtype: at least fp32."""
+    return topk_weight.to(torch.promote_types(topk_weight.dtype, torch.float32))
+
+
 @dataclass
 class LocalHandle:
     order: torch.Tensor  # [S*k] position in the flat (token, k) list of each grouped row
@@ -39,7 +44,7 @@ class LocalDispatcher:
         order = torch.argsort(flat, stable=True)  # [S*k] grouped by expert, token order inside
         x_grouped = x[order // k]  # [S*k, l]
         group_sizes = torch.bincount(flat, minlength=self.num_experts)  # [E]
-        return x_grouped, group_sizes, LocalHandle(order, topk_weight.float(), S)
+        return x_grouped, group_sizes, LocalHandle(order, _combine_dtype(topk_weight), S)
 
     def expert_weights(self, handle: LocalHandle, experts: torch.nn.Module
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -50,4 +55,5 @@ class LocalDispatcher:
         inverse = torch.empty_like(handle.order)
         inverse[handle.order] = torch.arange(handle.order.numel(), device=y.device)
         y_tk = y[inverse].view(S, k, -1)  # [S, k, l] back in (token, k) order
-        return (y_tk.float() * handle.topk_weight.unsqueeze(-1)).sum(1)  # [S, l] fp32
+        w = handle.topk_weight  # fp32 (fp64 in the float64 verification mode)
+        return (y_tk.to(w.dtype) * w.unsqueeze(-1)).sum(1)  # [S, l]

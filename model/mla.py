@@ -62,5 +62,6 @@ class GatedMLA(nn.Module):
         ).transpose(1, 2)  # [B, T, H, v]
         o = o.reshape(B, T, H * self.v_dim)
         if self.g_proj is not None:
-            o = (o.float() * torch.sigmoid(self.g_proj(x).float())).to(x.dtype)
+            compute = torch.promote_types(o.dtype, torch.float32)
+            o = (o.to(compute) * torch.sigmoid(self.g_proj(x).to(compute))).to(x.dtype)
         return self.o_proj(o)

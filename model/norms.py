@@ -27,7 +27,8 @@ class GatedRMSNorm(RMSNorm):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         y = super().forward(x)
-        return (y.float() * torch.sigmoid(gate.float())).to(x.dtype)
+        compute = torch.promote_types(y.dtype, torch.float32)
+        return (y.to(compute) * torch.sigmoid(gate.to(compute))).to(x.dtype)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -38,6 +38,11 @@ from moonep.replicas import AllToAllRows, ReplicaRoutes, fetch_replicas, replica
 __all__ = ["MoonEPDispatcher", "MoonEPHandle", "receive_blocks", "static_plan"]
 
 
+def _combine_dtype(topk_weight: Tensor) -> Tensor:
+    """The routing weights in the combine's accumulation dtype: at least fp32."""
+    return topk_weight.to(torch.promote_types(topk_weight.dtype, torch.float32))
+
+
 def static_plan(counts: Tensor, num_ranks: int) -> ReplicaPlan:
     """Plain EP as a ReplicaPlan: every expert's pairs on its home rank, no replica slots."""
     num_experts = counts.shape[1]
@@ -153,7 +158,7 @@ class MoonEPDispatcher:
 
         routes = replica_routes(plan, rank) if self.replicas else None
         handle = MoonEPHandle(plan, group_experts, pair_sizes, send_order, send_splits,
-                              recv_splits, recv_rows, num_rows, topk_weight.float(), routes)
+                              recv_splits, recv_rows, num_rows, _combine_dtype(topk_weight), routes)
         return x_grouped, padded.to(dev), handle
 
     def combine(self, y_grouped: Tensor, handle: MoonEPHandle) -> Tensor:
@@ -165,7 +170,8 @@ class MoonEPDispatcher:
         inverse = torch.empty_like(handle.send_order)
         inverse[handle.send_order] = torch.arange(S * k, device=y_back.device)
         y_tk = y_back[inverse].view(S, k, y_back.shape[-1])  # [S, k, l] original (token, k) order
-        return (y_tk.float() * handle.topk_weight.unsqueeze(-1)).sum(1)  # [S, l] fp32
+        w = handle.topk_weight  # fp32 (fp64 in the float64 verification mode)
+        return (y_tk.to(w.dtype) * w.unsqueeze(-1)).sum(1)  # [S, l]
 
     def gather_expert_weights(self, handle: MoonEPHandle, *local_weights: Tensor
                               ) -> tuple[Tensor, ...]:

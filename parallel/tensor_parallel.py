@@ -135,7 +135,9 @@ def _scope_locals(owner: nn.Module, method: str, roots: list[nn.Module],
         installed = []
         for m, n in slots:
             p = m._parameters.get(n)
-            if isinstance(p, DTensor):
+            # only parameters gathered to the tp mesh: expert-parallel experts live on the expert
+            # mesh and are localised by their dispatcher (inside their own FSDP unit)
+            if isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == ("tp",):
                 object.__setattr__(m, n, p.to_local())
                 installed.append((m, n))
         try:

@@ -27,6 +27,7 @@ def attnres_mix(sources: torch.Tensor, query: torch.Tensor, eps: float = 1e-5) -
 
 def attnres_weights(sources: torch.Tensor, query: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
     """The depth-softmax weights [N, ...] of `attnres_mix` (for metrics and heatmaps)."""
-    v = sources.float()
+    compute = torch.promote_types(sources.dtype, torch.float32)
+    v = sources.to(compute)
     khat = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
-    return torch.softmax((khat * query.float()).sum(-1), dim=0)
+    return torch.softmax((khat * query.to(compute)).sum(-1), dim=0)
