@@ -95,7 +95,6 @@ def apply_tensor_parallel(model: K3Model, tp_mesh) -> None:
     roots = [m for n, m in model.named_children() if n != "layers"]
     for method in ("forward", "forward_stage"):
         _scope_locals(model, method, roots, labels_slice=(tp, rank))
-    model.tp_group = group  # type: ignore[assignment]
 
 
 def _make_region(module: nn.Module, group) -> None:
