@@ -1,7 +1,7 @@
 """Grouped GEMM for expert compute: rows of `x` sorted by group, one weight matrix per group.
 
 Backends (chosen by device and dtype, never by a Python loop over groups):
-- "grouped_mm": `torch._grouped_mm` (CPU fp32/bf16; CUDA bf16 on SM90+).
+- "grouped_mm": `torch._grouped_mm` (CPU fp32/bf16, bf16 only when compiled; CUDA bf16 on SM90+).
 - "padded_bmm": scatter each group into a padded [G, max_rows, in] batch and run one `bmm`;
   works for every dtype (float64 gradchecks) and device, at the cost of one host sync.
 """
@@ -22,7 +22,9 @@ def grouped_mm_backend(x: torch.Tensor, w: torch.Tensor) -> str:
     if any(n * x.element_size() % 16 for n in w.shape[1:]):  # _grouped_mm needs 16-byte strides
         return "padded_bmm"
     if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
-        return "grouped_mm"
+        # under torch.compile the op's shape function accepts bf16 only (as on CUDA)
+        if x.dtype == torch.bfloat16 or not torch.compiler.is_compiling():
+            return "grouped_mm"
     if x.device.type == "cuda" and x.dtype == torch.bfloat16:
         if torch.cuda.get_device_capability(x.device)[0] >= 9:
             return "grouped_mm"
