@@ -118,7 +118,9 @@ def _scope_locals(owner: nn.Module, method: str, roots: list[nn.Module],
     """Wrap `owner.<method>` so that, while it runs, every DTensor parameter under `roots` reads
     as its local shard. The instance attribute shadows the registered parameter; the parameter
     is looked up at call time, so FSDP's unsharded parameters (swapped in by its pre-forward
-    hook, which runs before this wrapper) are the ones used."""
+    hook, which runs before this wrapper) are the ones used. On the root, `labels` are cut to
+    this rank's sequence slice so that they pair with the sequence-parallel hidden states; the
+    vocabulary-parallel loss gathers both in the same (rank-major) token order."""
     inner: Callable = getattr(owner, method)
     slots = [(m, n) for r in roots for m in r.modules() for n, _ in m.named_parameters(
         recurse=False)]

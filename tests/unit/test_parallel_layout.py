@@ -4,6 +4,7 @@ placement per schedule, the AttnRes state shapes that cross stage boundaries."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from model.config import ConfigError, load_model_config
 from parallel.dims import ParallelDims
@@ -78,14 +79,8 @@ def test_stage_placement():
 def test_attnres_state_grows_one_snapshot_per_block():
     cfg = load_model_config("debug")  # block size 3: layers 0, 3, 6 start blocks
     splits = [[0, 1], [2, 3], [4, 5], [6, 7]]
-    ins, outs = stage_io_meta(cfg, splits, 1, 2, 64, 2, torch_float())
+    ins, outs = stage_io_meta(cfg, splits, 1, 2, 64, 2, torch.float32)
     assert ins[0].shape == (2, 32, 64) and ins[1].shape == (1, 2, 32, 64)  # emb only
     assert outs[1].shape == (2, 2, 32, 64)  # + block of layers 0-2 (started by layer 3)
-    ins, outs = stage_io_meta(cfg, splits, 3, 2, 64, 2, torch_float())
+    ins, outs = stage_io_meta(cfg, splits, 3, 2, 64, 2, torch.float32)
     assert ins[1].shape[0] == 2 and outs[0].shape == ()  # last stage returns the loss
-
-
-def torch_float():
-    import torch
-
-    return torch.float32
