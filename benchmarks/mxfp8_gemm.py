@@ -7,7 +7,7 @@ Numerics: forward and the three gradients of `mx_linear` and of the grouped `mx_
 (G experts, uneven token groups) relative to a float64 reference, next to bf16's error for
 scale. Timing: forward+backward of one expert GEMM stack (w1/w3 [m, l], w2 [l, m]) in bf16
 (`grouped_mm`) vs MXFP8 (`mx_grouped_mm`, whatever `mx_backend` picks: emulated on CPU and
-Hopper, native `torch._scaled_mm` on SM100). Prints one JSON line.
+Hopper, native `F.scaled_grouped_mm` on SM100). Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -104,13 +104,15 @@ def main() -> None:
     else:  # K3: latent 3584, expert intermediate 3072; 14 local experts (896 / ep 64)
         latent, inter, experts, tokens = 3584, 3072, 14, 14 * 2048
     out = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-           "backend": mx_backend(dev), "latent": latent, "intermediate": inter,
+           "backend": mx_backend(dev), "grouped_backend": mx_backend(dev, grouped=True),
+           "latent": latent, "intermediate": inter,
            "experts": experts, "tokens": tokens}
     out.update(linear_errors(min(tokens, 4096), latent, inter, dev))
     out.update(grouped_errors(experts, min(tokens, 8192), latent, inter, dev))
     bf16 = time_expert_stack(grouped_mm, torch.bfloat16, experts, tokens, latent, inter, dev,
                              args.iters)
-    mx = time_expert_stack(mx_grouped_mm, torch.float32, experts, tokens, latent, inter, dev,
+    mx_dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32  # as under FSDP bf16
+    mx = time_expert_stack(mx_grouped_mm, mx_dtype, experts, tokens, latent, inter, dev,
                            args.iters)
     flops = 6 * tokens * latent * inter * 2  # fwd + 2 bwd GEMMs, two expert GEMMs
     out.update(bf16_ms=round(bf16 * 1e3, 2), mx_ms=round(mx * 1e3, 2),

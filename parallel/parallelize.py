@@ -96,8 +96,10 @@ def shard_on_meta(job, dims: ParallelDims, meshes: Meshes, pp_rank: int, log=pri
     p = job.precision
     if p.gemm == "mxfp8":
         converted = apply_mxfp8(model, p.targets, p.mx_mode, p.wgrad_hp)
-        log(f"precision: MXFP8 ({mx_backend(torch.device(job.cluster.device))} backend, "
-            f"{p.mx_mode}) on {len(converted)} GEMM modules: {', '.join(p.targets)}")
+        dev = torch.device(job.cluster.device)
+        log(f"precision: MXFP8 (linears {mx_backend(dev)}, experts "
+            f"{mx_backend(dev, grouped=True)}; {p.mx_mode}) on {len(converted)} GEMM modules: "
+            f"{', '.join(p.targets)}")
     if dims.tp > 1:
         apply_tensor_parallel(model, meshes.tp)
     layers = list(model.layers.values())

@@ -9,10 +9,12 @@ own contraction axis, so X, W and dY each get two independently quantised copies
 
 Backends (`mx_backend`, logged once per device): "emulated" everywhere but SM100+ (fake-quantise
 with `model.ops.mx`, then a float32 GEMM; bf16 on CUDA, where cuBLAS accumulates in fp32), MX-exact
-up to accumulation order; "native" on SM100+, where the linears' three GEMMs run as
-`torch._scaled_mm` on e4m3 data with e8m0 scales in cuBLAS's blocked layout (`to_blocked_scales`)
-and a bf16 output. The native path is unverified here (no Blackwell machine); grouped expert
-GEMMs stay emulated on every device.
+up to accumulation order; "native" on SM100+, where the three GEMMs run on e4m3 data with e8m0
+scales in cuBLAS's blocked layout and a bf16 output: `torch._scaled_mm` for linears,
+`F.scaled_grouped_mm` for the experts (when the torch build has the MX grouped kernel, probed
+once). Operand preparation lives in `model.ops.mx_native`; it is checked against an emulator of
+the kernels' contract on CPU, but unverified on hardware (no Blackwell machine here).
+`K3_MX_BACKEND=emulated|native` forces a backend.
 
 Sizes that are not multiples of 32 along a quantised axis are zero-padded inside (see
 `pad_to_block`): zeros do not change a block's amax, so the real elements quantise as a partial
@@ -26,35 +28,68 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 
 import torch
 
+from model.ops import mx_native
 from model.ops.grouped_gemm import grouped_mm
-from model.ops.mx import BLOCK_SIZE, MODES, fake_quantize_mx, mx_quantize, pad_to_block
+from model.ops.mx import BLOCK_SIZE, MODES, fake_quantize_mx, pad_to_block
 
 log = logging.getLogger("k3train.mx")
 
 
+BACKENDS = ("emulated", "native")
+
+
+def _native_support(device_type: str, index: int | None) -> tuple[bool, bool, str]:
+    """(linears native, grouped native, why not) for a device, from capability and a probe."""
+    if device_type != "cuda" or not torch.cuda.is_available():
+        return False, False, "not a CUDA device"
+    major, minor = torch.cuda.get_device_capability(index)
+    if major < 10:
+        return False, False, f"SM{major}{minor} has no MX tensor cores (SM100+ does)"
+    if not (hasattr(torch, "_scaled_mm") and hasattr(torch, "float8_e8m0fnu")):
+        return False, False, f"torch {torch.__version__} lacks e8m0 block-scaled _scaled_mm"
+    if not hasattr(torch.nn.functional, "scaled_grouped_mm"):
+        return True, False, f"torch {torch.__version__} lacks F.scaled_grouped_mm"
+    try:  # the MX grouped kernel also needs a build with FBGEMM GenAI: ask it once
+        device = torch.device(device_type, index)
+        x = torch.randn(64, 64, device=device)
+        mx_native.native_grouped_nt(x, torch.randn(2, 32, 64, device=device),
+                                    mx_native.GroupLayout(torch.tensor([20, 12], device=device),
+                                                          32), "rceil")
+    except Exception as e:  # noqa: BLE001 - any failure means "use the emulation"
+        return True, False, f"MX grouped GEMM probe failed: {type(e).__name__}: {e}"[:300]
+    return True, True, ""
+
+
 @functools.cache
-def _backend_for(device_type: str, index: int | None) -> str:
-    native = False
-    if device_type == "cuda" and torch.cuda.is_available():
-        major, _ = torch.cuda.get_device_capability(index)
-        native = major >= 10 and hasattr(torch, "_scaled_mm") and hasattr(
-            torch, "float8_e8m0fnu"
-        )
+def _backend_for(device_type: str, index: int | None, grouped: bool) -> str:
+    forced = os.environ.get("K3_MX_BACKEND")
+    if forced:
+        if forced not in BACKENDS:
+            raise ValueError(f"K3_MX_BACKEND={forced!r}: expected one of {BACKENDS}")
+        log.info("MXFP8 on %s:%s (%s GEMMs): %s backend (forced by K3_MX_BACKEND)", device_type,
+                 index, "grouped" if grouped else "linear", forced)
+        return forced
+    linear_ok, grouped_ok, why = _native_support(device_type, index)
+    native = grouped_ok if grouped else linear_ok
+    kind = "grouped expert" if grouped else "linear"
     if native:
-        log.info("MXFP8 on %s:%s: native block-scaled torch._scaled_mm for linears (grouped "
-                 "expert GEMMs stay emulated)", device_type, index)
+        log.info("MXFP8 on %s:%s (%s GEMMs): native block-scaled %s", device_type, index, kind,
+                 "F.scaled_grouped_mm" if grouped else "torch._scaled_mm")
         return "native"
-    log.info("MXFP8 on %s:%s: emulated backend (fake-quantise + GEMM)", device_type, index)
+    log.info("MXFP8 on %s:%s (%s GEMMs): emulated backend (fake-quantise + GEMM): %s",
+             device_type, index, kind, why)
     return "emulated"
 
 
-def mx_backend(device: torch.device | str) -> str:
-    """"native" on CUDA SM100+ with e8m0 `_scaled_mm` support, else "emulated" (logged once)."""
+def mx_backend(device: torch.device | str, grouped: bool = False) -> str:
+    """"native" on CUDA SM100+ when torch has the block-scaled kernel (for `grouped`, the MX
+    grouped GEMM, probed once), else "emulated"; logged once per device. K3_MX_BACKEND forces."""
     device = torch.device(device)
-    return _backend_for(device.type, device.index)
+    return _backend_for(device.type, device.index, grouped)
 
 
 def _fq(t: torch.Tensor, dim: int, mode: str) -> torch.Tensor:
@@ -63,41 +98,14 @@ def _fq(t: torch.Tensor, dim: int, mode: str) -> torch.Tensor:
     return fake_quantize_mx(padded, dim, mode, BLOCK_SIZE).narrow(dim, 0, n)
 
 
-def to_blocked_scales(scale: torch.Tensor) -> torch.Tensor:
-    """cuBLAS block-scaling layout of an e8m0 scale matrix [rows, cols] (cols = K/32): padded to
-    (128, 4) tiles, each tile stored as 32 x 16 (4 interleaved 32-row bands), flattened."""
-    rows, cols = scale.shape
-    R, C = -(-rows // 128), -(-cols // 4)
-    padded = torch.zeros(R * 128, C * 4, dtype=torch.uint8, device=scale.device)
-    padded[:rows, :cols] = scale.view(torch.uint8)
-    tiles = padded.view(R, 128, C, 4).permute(0, 2, 1, 3)  # [R, C, 128, 4]
-    out = tiles.reshape(-1, 4, 32, 4).transpose(1, 2).reshape(-1, 32, 16)  # [R*C, 32, 16]
-    return out.flatten().view(torch.float8_e8m0fnu)
-
-
-def _native_mm_nt(a: torch.Tensor, b: torch.Tensor, mode: str) -> torch.Tensor:
-    """a [P, C] @ b [Q, C]^T with both operands MXFP8 along C, on SM100 tensor cores."""
-    P, Q = a.shape[0], b.shape[0]
-
-    def prep(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        t, _ = pad_to_block(t.contiguous(), BLOCK_SIZE, -1)  # C -> multiple of 32
-        t = torch.nn.functional.pad(t, (0, 0, 0, (-t.shape[0]) % 128))  # rows -> multiple of 128
-        data, scale = mx_quantize(t, BLOCK_SIZE, -1, mode)
-        return data, to_blocked_scales(scale)
-
-    (qa, sa), (qb, sb) = prep(a), prep(b)
-    y = torch._scaled_mm(qa, qb.t(), sa, sb, out_dtype=torch.bfloat16)  # [P', Q']
-    return y[:P, :Q]
-
-
 def _mm_nt(a: torch.Tensor, b: torch.Tensor, mode: str) -> torch.Tensor:
     """a [P, C] @ b [Q, C]^T, both quantised along their own last dim C (the contraction).
 
     Every MX GEMM of a linear is this one primitive: fprop (x, w), dgrad (dy, w^T) and wgrad
     (dy^T, x^T), so each operand is blocked along the axis its GEMM sums over.
     """
-    if a.device.type == "cuda" and mx_backend(a.device) == "native":
-        return _native_mm_nt(a, b, mode).to(a.dtype)
+    if mx_backend(a.device) == "native":
+        return mx_native.native_mm_nt(a, b, mode).to(a.dtype)
     return _fq(a, -1, mode) @ _fq(b, -1, mode).T
 
 
@@ -172,14 +180,32 @@ def _scatter_groups(t: torch.Tensor, layout: tuple, G: int) -> torch.Tensor:
     return out.index_put((group_of_row, row_in_group), t)
 
 
+def _hp_group_wgrad(dy: torch.Tensor, x: torch.Tensor, group_sizes: torch.Tensor,
+                    quantise_mode: str | None) -> torch.Tensor:
+    """dW_g = dY_g^T · X_g as one bmm over the [G, R, .] padded layout, optionally with both
+    operands fake-quantised along the tokens (blocks of 32 start at each group's first row)."""
+    G = group_sizes.shape[0]
+    layout = _group_layout(group_sizes, x.shape[0])
+    dy_g = _scatter_groups(dy, layout, G)  # [G, R, N]
+    x_g = _scatter_groups(x, layout, G)  # [G, R, K]
+    if quantise_mode is not None:
+        dy_g, x_g = _fq(dy_g, 1, quantise_mode), _fq(x_g, 1, quantise_mode)
+    return torch.bmm(dy_g.transpose(1, 2), x_g)  # [G, N, K]
+
+
 class _MXGroupedMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, group_sizes, wgrad_hp: bool, mode: str):
+    def forward(ctx, x, w, group_sizes, wgrad_hp: bool, mode: str, native: bool):
         cdt = _compute_dtype(x, w)
         xc, wc = x.to(cdt), w.to(cdt)  # [S, K], [G, N, K]
-        y = grouped_mm(_fq(xc, -1, mode), _fq(wc, -1, mode), group_sizes)  # [S, N] over K
+        if native:
+            layout = mx_native.GroupLayout(group_sizes, xc.shape[0])
+            y = layout.gather(mx_native.native_grouped_nt(layout.scatter(xc), wc, layout, mode))
+        else:
+            y = grouped_mm(_fq(xc, -1, mode), _fq(wc, -1, mode), group_sizes)  # [S, N] over K
         ctx.save_for_backward(xc, wc, group_sizes)
-        ctx.wgrad_hp, ctx.mode, ctx.x_dtype, ctx.w_dtype = wgrad_hp, mode, x.dtype, w.dtype
+        ctx.wgrad_hp, ctx.mode, ctx.native = wgrad_hp, mode, native
+        ctx.x_dtype, ctx.w_dtype = x.dtype, w.dtype
         return y.to(torch.promote_types(x.dtype, w.dtype))
 
     @staticmethod
@@ -188,18 +214,26 @@ class _MXGroupedMM(torch.autograd.Function):
         mode = ctx.mode
         dy = dy.to(xc.dtype).contiguous()  # [S, N]
         dx = dw = None
-        if ctx.needs_input_grad[0]:  # dX_g = dY_g · W_g, contraction over N
-            w_t = _fq(wc, 1, mode).transpose(1, 2).contiguous()  # [G, K, N]
-            dx = grouped_mm(_fq(dy, -1, mode), w_t, group_sizes).to(ctx.x_dtype)  # [S, K]
-        if ctx.needs_input_grad[1]:  # dW_g = dY_g^T · X_g, contraction over group g's tokens
-            G = wc.shape[0]
-            layout = _group_layout(group_sizes, xc.shape[0])
-            dy_g = _scatter_groups(dy, layout, G)  # [G, R, N]
-            x_g = _scatter_groups(xc, layout, G)  # [G, R, K]
-            if not ctx.wgrad_hp:  # blocks of 32 tokens start at each group's first row
-                dy_g, x_g = _fq(dy_g, 1, mode), _fq(x_g, 1, mode)
-            dw = torch.bmm(dy_g.transpose(1, 2), x_g).to(ctx.w_dtype)  # [G, N, K]
-        return dx, dw, None, None, None
+        quantised_wgrad = ctx.needs_input_grad[1] and not ctx.wgrad_hp
+        if ctx.native:
+            layout = mx_native.GroupLayout(group_sizes, xc.shape[0])
+            dy_pad = layout.scatter(dy)
+            if ctx.needs_input_grad[0]:  # contraction over N: w^T as [G, K, N]
+                w_t = wc.transpose(1, 2).contiguous()
+                dx = layout.gather(mx_native.native_grouped_nt(dy_pad, w_t, layout, mode))
+            if quantised_wgrad:
+                dw = mx_native.native_grouped_wgrad(dy_pad, layout.scatter(xc), layout, mode)
+        else:
+            if ctx.needs_input_grad[0]:  # dX_g = dY_g · W_g, contraction over N
+                w_t = _fq(wc, 1, mode).transpose(1, 2).contiguous()  # [G, K, N]
+                dx = grouped_mm(_fq(dy, -1, mode), w_t, group_sizes)  # [S, K]
+            if quantised_wgrad:  # dW_g = dY_g^T · X_g, contraction over group g's tokens
+                dw = _hp_group_wgrad(dy, xc, group_sizes, mode)
+        if ctx.needs_input_grad[1] and ctx.wgrad_hp:
+            dw = _hp_group_wgrad(dy, xc, group_sizes, None)
+        dx = None if dx is None else dx.to(ctx.x_dtype)
+        dw = None if dw is None else dw.to(ctx.w_dtype)
+        return dx, dw, None, None, None, None
 
 
 def mx_grouped_mm(
@@ -213,8 +247,9 @@ def mx_grouped_mm(
 
     x: [S, K] rows sorted by group; w: [G, N, K]; group_sizes: [G] ints summing to S (any sizes,
     0 allowed: groups are padded to 32 tokens inside for the wgrad). Returns [S, N].
-    fprop and dgrad use `grouped_mm`; the wgrad (a contraction over tokens, which `grouped_mm`
-    cannot express) is one bmm over the [G, R, .] padded group layout (one host sync for R).
+    Emulated: fprop and dgrad use `grouped_mm`; the wgrad (a contraction over tokens, which
+    `grouped_mm` cannot express) is one bmm over the [G, R, .] padded group layout (one host sync
+    for R). Native (SM100): all three are `F.scaled_grouped_mm` over `mx_native.GroupLayout`.
     """
     _check_mode(mode)
     if w.ndim != 3 or x.shape[-1] != w.shape[-1] or group_sizes.shape != (w.shape[0],):
@@ -222,5 +257,5 @@ def mx_grouped_mm(
             f"mx_grouped_mm: x {tuple(x.shape)}, w {tuple(w.shape)}, "
             f"group_sizes {tuple(group_sizes.shape)} do not fit"
         )
-    mx_backend(x.device)
-    return _MXGroupedMM.apply(x, w, group_sizes, wgrad_hp, mode)
+    native = mx_backend(x.device, grouped=True) == "native"
+    return _MXGroupedMM.apply(x, w, group_sizes, wgrad_hp, mode, native)

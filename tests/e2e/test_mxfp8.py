@@ -26,7 +26,7 @@ def runs(tmp_path_factory):
 
 
 def test_log_names_the_backend(runs):
-    assert "precision: MXFP8 (emulated backend, rceil)" in runs["log"]
+    assert "precision: MXFP8 (linears emulated, experts emulated; rceil)" in runs["log"]
 
 
 def test_mxfp8_ends_within_two_percent_of_fp32(runs):

@@ -276,18 +276,6 @@ def test_grouped_equals_per_group_linear(wgrad_hp):
         assert _rel_elem(dyg.T @ xg, wr.grad[2]) > 0.1
 
 
-def test_blocked_scale_layout_matches_cublas_reference():
-    """Our swizzle against PyTorch's own reference implementation of cuBLAS's D-block layout."""
-    from torch.testing._internal.common_quantized import to_blocked
-
-    from model.ops.mx_linear import to_blocked_scales
-
-    for rows, cols in ((128, 4), (130, 7), (256, 64), (3, 1)):
-        raw = torch.randint(0, 255, (rows, cols), dtype=torch.uint8)
-        ours = to_blocked_scales(raw.view(torch.float8_e8m0fnu)).view(torch.uint8)
-        assert torch.equal(ours, to_blocked(raw))
-
-
 def test_single_nt_primitive_reproduces_each_gemm_axis():
     """fprop/dgrad/wgrad all go through _mm_nt(a, b): check it equals the explicit axis forms."""
     from model.ops.mx_linear import _fq, _mm_nt
