@@ -54,7 +54,7 @@ def describe_rank(job, dims, meshes, pp_rank: int) -> dict:
             gathered_dense += _tp_local_numel(p)
     compute_bytes = {"bf16": 2, "fp32": 4, "fp64": 8}[job.cluster.param_dtype]
     # under PP every layer of the rank stays gathered between micro-batches; experts gathered
-    # by FSDP only when ep < dp_shard (else they are never sharded beyond ep)
+    # by FSDP only when ep < dp_shard x tp (else they are never sharded beyond ep)
     gathered = (gathered_dense + (gathered_expert if dims.edp > 1 else 0)) * compute_bytes \
         if dims.pp > 1 else 0
     local = local_dense + local_expert

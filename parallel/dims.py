@@ -4,10 +4,12 @@ Dense mesh dims follow torchtitan's order `[pp, dp_replicate, dp_shard, tp]` (co
 parallelism, `cp`, is reserved and must be 1). Data parallelism is FSDP2 over dp_shard (HSDP
 when dp_replicate > 1); tensor parallelism shards heads and MLP columns with sequence
 parallelism between them (`parallel.tensor_parallel`); pipeline parallelism splits the layers
-into stages (`parallel.pipeline`); expert parallelism splits dp_shard into (edp, ep): routed
-experts are sharded over the ep ranks (MoonEP dispatch) and by FSDP over the edp ranks, on an
-expert mesh `[pp, edp, ep, tp]` over the same ranks. Every check is a one-line error naming
-the field.
+into stages (`parallel.pipeline`); expert parallelism splits the dp_shard x tp ranks into (edp, ep):
+routed experts are sharded over the ep ranks (MoonEP dispatch) and by FSDP over the edp ranks,
+on an expert mesh `[pp, edp, ep]` over the same ranks. EP borrows the tp ranks (Megatron's
+expert-tensor-parallel size 1): in the sequence-parallel region every tp rank routes its own
+tokens, so the tp ranks of a group are as good as data-parallel ranks to the experts, and no
+expert is replicated over tp. Every check is a one-line error naming the field.
 """
 
 from __future__ import annotations
@@ -75,11 +77,13 @@ class ParallelDims:
         if schedule == "ZBVZeroBubble" and dims.pp > 1 and virtual != 2:
             raise ConfigError("parallel.pp_schedule=ZBVZeroBubble needs "
                               "parallel.pp_virtual_stages=2 (the V shape)")
-        if dims.ep > 1 and (dims.dp_shard % dims.ep or dims.dp_replicate != 1):
+        expert_ranks = dims.dp_shard * dims.tp
+        if dims.ep > 1 and (expert_ranks % dims.ep or dims.dp_replicate != 1):
             raise ConfigError(
-                f"parallel.ep={dims.ep} must divide parallel.dp_shard={dims.dp_shard} with "
-                f"dp_replicate=1 (experts are sharded over ep ranks and by FSDP over the other "
-                f"dp_shard / ep); use a divisor of {dims.dp_shard} or parallel.ep=1")
+                f"parallel.ep={dims.ep} must divide parallel.dp_shard x parallel.tp = "
+                f"{dims.dp_shard} x {dims.tp} = {expert_ranks} with dp_replicate=1 (experts "
+                f"are sharded over ep ranks and by FSDP over the other {expert_ranks} / ep); "
+                f"use a divisor of {expert_ranks} or parallel.ep=1")
         return dims
 
     @property
@@ -90,7 +94,13 @@ class ParallelDims:
     @property
     def edp(self) -> int:
         """Expert-data-parallel degree: ranks holding the same experts (FSDP shards them)."""
-        return self.dp_shard // self.ep
+        return self.dp_shard * self.tp // self.ep
+
+    @property
+    def expert_grad_divisor(self) -> float:
+        """What is left of the data-parallel loss factor on expert gradients after FSDP averaged
+        them over edp: the loss is pre-multiplied by dp, so dp / edp (= ep / tp)."""
+        return self.dp / self.edp
 
     @property
     def num_stages(self) -> int:
@@ -146,12 +156,11 @@ class ParallelDims:
                         pp=world["pp"] if self.pp > 1 else None, ep=None,
                         dp_group=dp_flat.get_group(), batch_group=batch.get_group(),
                         dp_rank=dp_rank, pp_rank=world.get_local_rank("pp"))
-        if self.ep > 1:  # the same ranks in the same order, dp_shard split into (edp, ep)
-            experts = init_device_mesh(device_type, (self.pp, self.edp, self.ep, self.tp),
-                                       mesh_dim_names=("pp", "edp", "ep", "tp"))
+        if self.ep > 1:  # the same ranks in the same order, dp_shard x tp split into (edp, ep)
+            experts = init_device_mesh(device_type, (self.pp, self.edp, self.ep),
+                                       mesh_dim_names=("pp", "edp", "ep"))
             meshes.ep = experts["ep"]
             meshes.edp = experts["edp"] if self.edp > 1 else None
-            meshes.expert_params = experts["ep", "tp"] if self.tp > 1 else experts["ep"]
         return meshes
 
 
@@ -170,5 +179,4 @@ class Meshes:
     batch_group: object
     dp_rank: int
     pp_rank: int
-    edp: object | None = None  # FSDP mesh of the routed experts when ep < dp_shard
-    expert_params: object | None = None  # the mesh the expert DTensors live on: ep (x tp)
+    edp: object | None = None  # FSDP mesh of the routed experts when ep < dp_shard x tp

@@ -4,9 +4,10 @@ Each MoE layer's routed-expert stacks w1/w3/w2 [E, ...] become DTensors sharded 
 (Shard(0)) over the EP mesh, so every rank holds E/ep home experts and checkpoints stay
 layout-free (DCP reshards them into any other layout). The layer's dispatcher becomes a
 `moonep.MoonEPDispatcher`: tokens go to the ranks owning (or replicating) their experts and the
-grouped GEMM runs over [home experts | replicas]. When ep = dp_shard the layers' FSDP leaves
-the expert stacks alone (`ignored_params`); when ep < dp_shard each MoE layer's `experts` module
-is its own FSDP unit over the edp ranks that hold the same experts (`parallel.parallelize`).
+grouped GEMM runs over [home experts | replicas]. The EP ranks are taken from dp_shard x tp
+(`parallel.dims`). When ep = dp_shard x tp the layers' FSDP leaves the expert stacks alone
+(`ignored_params`); when it is smaller each MoE layer's `experts` module is its own FSDP unit
+over the edp ranks that hold the same experts (`parallel.parallelize`).
 Replicas are fetched from the gathered home weights inside that unit's forward, so their
 gradients are summed home before FSDP reduce-scatters. `finalize_expert_grads` removes the
 data-parallel loss factor FSDP did not (see there).
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from model.moe import in_recomputation
 from moonep import MoonEPDispatcher, max_over_mean, static_load
@@ -55,20 +56,15 @@ class ExpertParallelDispatcher:
         return self.inner.gather_expert_weights(handle, *local)
 
 
-def apply_expert_parallel(model: nn.Module, mesh, replicas: bool = True,
-                          param_mesh=None) -> set[nn.Parameter]:
-    """Shard routed experts over `mesh` (1-D, the EP ranks); returns the expert parameters.
-
-    `param_mesh`: under tensor parallelism, the 2-D mesh (ep, tp) the expert DTensors live on,
-    replicated over tp (each tp rank routes its own sequence slice through the same experts)."""
+def apply_expert_parallel(model: nn.Module, mesh, replicas: bool = True) -> set[nn.Parameter]:
+    """Shard routed experts over `mesh` (1-D, the EP ranks, which may include tp ranks: each
+    routes its own sequence slice); returns the expert parameters."""
     params: set[nn.Parameter] = set()
-    param_mesh = param_mesh or mesh
-    placements = [Shard(0)] + [Replicate()] * (param_mesh.ndim - 1)
     for moe in model.moe_layers():  # type: ignore[union-attr]
         experts = moe.experts
         for name in EXPERT_PARAMS:
             p = getattr(experts, name)
-            sharded = nn.Parameter(distribute_tensor(p.data, param_mesh, placements,
+            sharded = nn.Parameter(distribute_tensor(p.data, mesh, [Shard(0)],
                                                      src_data_rank=None))
             setattr(experts, name, sharded)
             params.add(sharded)
@@ -100,12 +96,13 @@ def ep_load_metrics(model: nn.Module) -> dict[str, list[float] | float]:
             "ep_rank_load_replicated_mean": sum(replicated) / len(replicated)}
 
 
-def finalize_expert_grads(expert_params: set[nn.Parameter], ep: int) -> None:
+def finalize_expert_grads(expert_params: set[nn.Parameter], divisor: float) -> None:
     """Undo the rest of the data-parallel loss factor on the expert gradients.
 
     The loss is pre-multiplied by dp (FSDP averages dense gradients over dp). A home expert sums
-    the gradients of every token its ep group routed to it, and FSDP over the edp ranks averages
-    those: dp / edp = ep is left over."""
+    the gradients of every token its ep group routed to it (each token once: under sequence
+    parallelism a tp rank holds its own tokens), and FSDP over the edp ranks averages those:
+    `divisor` = dp / edp (`ParallelDims.expert_grad_divisor`) is left over."""
     for p in expert_params:
         if p.grad is not None:
-            p.grad.div_(ep)
+            p.grad.div_(divisor)

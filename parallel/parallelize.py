@@ -91,8 +91,7 @@ def shard_on_meta(job, dims: ParallelDims, meshes: Meshes, pp_rank: int, log=pri
         out.stages = stage_indices(pp_rank, dims.pp, dims.num_stages, dims.pp_schedule)
         prune_to_stages(model, out.splits, out.stages)
     if dims.expert_parallel:
-        out.expert_params = apply_expert_parallel(model, meshes.ep, job.parallel.ep_replicas,
-                                                  param_mesh=meshes.expert_params)
+        out.expert_params = apply_expert_parallel(model, meshes.ep, job.parallel.ep_replicas)
     p = job.precision
     if p.gemm == "mxfp8":
         converted = apply_mxfp8(model, p.targets, p.mx_mode, p.wgrad_hp)

@@ -149,7 +149,7 @@ def train_step(pm: ParallelModel, optimizer: torch.optim.Optimizer, batches: lis
     loss_sum /= dims.tp  # the vocabulary-parallel loss: every tp rank holds the full sum
     if pm.tp_params:
         allreduce_replicated_grads(pm.tp_params, pm.meshes.tp.get_group())
-    finalize_expert_grads(pm.expert_params, dims.ep)
+    finalize_expert_grads(pm.expert_params, dims.expert_grad_divisor)
     max_norm = grad_clip if grad_clip > 0 else float("inf")
     norm = clip_grad_norm(model.parameters(), max_norm, dims.pp)
     optimizer.step()

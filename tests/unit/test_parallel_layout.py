@@ -84,3 +84,37 @@ def test_attnres_state_grows_one_snapshot_per_block():
     assert outs[1].shape == (2, 2, 32, 64)  # + block of layers 0-2 (started by layer 3)
     ins, outs = stage_io_meta(cfg, splits, 3, 2, 64, 2, torch.float32)
     assert ins[1].shape[0] == 2 and outs[0].shape == ()  # last stage returns the loss
+
+
+def test_expert_parallel_borrows_tp_ranks():
+    d = dims(4, tp=2, ep=2)  # each tp pair is one ep group; edp 2 over the dp ranks
+    assert (d.dp_shard, d.edp, d.expert_grad_divisor) == (2, 2, 1.0)
+    d = dims(8, tp=2, ep=4)  # ep groups span 2 dp x 2 tp ranks
+    assert (d.dp_shard, d.edp, d.expert_grad_divisor) == (4, 2, 2.0)
+    d = dims(4, tp=4, ep=2)  # ep inside a tp group
+    assert (d.dp_shard, d.edp, d.expert_grad_divisor) == (1, 2, 0.5)
+    with pytest.raises(ConfigError, match=r"parallel.ep=4 must divide .* = 6") as e:
+        dims(6, tp=2, ep=4)
+    assert "\n" not in str(e.value)
+
+
+def _dry_run(*overrides: str) -> dict:
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, str(root / "launch" / "dryrun.py"), *overrides],
+                         capture_output=True, text=True, timeout=300, cwd=root)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.splitlines()[0])
+
+
+def test_dry_run_experts_are_not_replicated_over_tp():
+    """tp 2 x dp_shard 2: ep 1 keeps every expert on both tp ranks (FSDP halves them); ep 4
+    spreads them over all four ranks, a quarter each, with the dense part unchanged."""
+    replicated = _dry_run("--world", "4", "parallel.tp=2")
+    spread = _dry_run("--world", "4", "parallel.tp=2", "parallel.ep=4")
+    experts_replicated = replicated["local_params"] - spread["local_dense_params"]
+    assert experts_replicated == 2 * spread["local_expert_params"] > 0
