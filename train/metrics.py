@@ -252,7 +252,8 @@ class MetricsLogger:
     def log_images(self, step: int, expert_load: np.ndarray, attnres_weights: np.ndarray,
                    attnres_labels: list[str], router_bias: np.ndarray,
                    moe_layer_ids: Sequence[int] | None = None) -> dict[str, Path]:
-        """Render the three diagnostic PNGs into run_dir/plots and log them to W&B.
+        """Render the three diagnostic PNGs into run_dir/plots and log them to W&B; the arrays
+        go to run_dir/plots/images-step-<step>.npz.
 
         expert_load, router_bias: [n_moe_layers, n_experts]; attnres_weights: [n_mixes,
         max_sources] (current prefix in the last column, NaN where a mix lacks a source);
@@ -274,6 +275,12 @@ class MetricsLogger:
             paths[name] = out_dir / f"{name}-step-{step:08d}.png"
             fig.set_dpi(PLOT_DPI)
             _save_png(fig, paths[name])
+        data = out_dir / f"images-step-{step:08d}.npz"  # the plotted arrays, for analysis
+        tmp = data.with_name(data.name + ".tmp.npz")
+        np.savez(tmp, expert_load=expert_load, router_bias=router_bias,
+                 attnres_weights=np.asarray(attnres_weights), attnres_labels=np.array(
+                     attnres_labels), moe_layer_ids=np.array(ids if ids is not None else []))
+        tmp.replace(data)
         if self.wandb_run is not None:
             import wandb
 

@@ -28,7 +28,7 @@ from model.decoder import K3Model
 from model.packing import Packing
 from parallel.dims import ParallelDims
 from parallel.expert_parallel import ep_load_metrics, finalize_expert_grads
-from parallel.fsdp import set_gradient_sync, unsharded_root
+from parallel.fsdp import DTYPES, set_gradient_sync
 from parallel.grads import clip_grad_norm
 from parallel.parallelize import ParallelModel, parallelize
 from parallel.tensor_parallel import allreduce_replicated_grads
@@ -36,13 +36,9 @@ from train.checkpoint import Checkpointer
 from train.config import JobConfig
 from train.distributed import DistEnv
 from train.flops import flops_per_token, mfu, peak_flops
+from train.layout_images import attnres_weights, router_matrices
 from train.metrics import MetricsLogger, memory_stats
-from train.model_stats import (
-    attnres_depth_weights,
-    expert_load_matrix,
-    moe_layer_indices,
-    router_bias_matrix,
-)
+from train.model_stats import moe_layer_indices
 from train.optim import build_optimizer, build_scheduler
 
 
@@ -104,9 +100,9 @@ def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
             if job.train.log_sample_ids:
                 scalars["sample_ids"] = _global_sample_ids(batches, env, meshes.dp_group)
             metrics.log_step(state["step"], scalars)
-            if (job.train.log_images_every and state["step"] % job.train.log_images_every == 0
-                    and dims.tp == dims.pp == 1):  # the image forwards need the whole model
-                _log_images(model, metrics, state["step"], batches[0], env)
+            if job.train.log_images_every and state["step"] % job.train.log_images_every == 0:
+                _log_images(pm, metrics, state["step"], batches[0], env,
+                            DTYPES[job.cluster.param_dtype])
             _reset_expert_loads(model)
             done = state["step"] == stop
             if job.checkpoint.enabled and (state["step"] % job.checkpoint.interval == 0 or done):
@@ -234,16 +230,16 @@ def _reset_expert_loads(model: K3Model) -> None:
         m.gate.expert_load.zero_()
 
 
-def _log_images(model: K3Model, metrics: MetricsLogger, step: int, batch: dict,
-                env: DistEnv) -> None:
+def _log_images(pm: ParallelModel, metrics: MetricsLogger, step: int, batch: dict,
+                env: DistEnv, act_dtype: torch.dtype) -> None:
+    """The three diagnostic images of the whole model, in any layout (every rank calls)."""
     ids = batch["input_ids"][:1].to(env.device)
     cu = batch["cu_seqlens"]
     cu = cu[cu <= ids.shape[1]].to(env.device)  # the first row's documents only
-    with unsharded_root(model):
-        weights, labels = attnres_depth_weights(model, ids, cu)
+    weights, labels = attnres_weights(pm, ids, cu, act_dtype)
+    load, bias, layer_ids = router_matrices(pm)
     if env.is_main:
-        metrics.log_images(step, expert_load_matrix(model), weights, labels,
-                           router_bias_matrix(model), moe_layer_ids=moe_layer_indices(model))
+        metrics.log_images(step, load, weights, labels, bias, moe_layer_ids=layer_ids)
 
 
 def _build_loader(job: JobConfig, env: DistEnv, dp_rank: int, dp: int) -> BatchLoader:

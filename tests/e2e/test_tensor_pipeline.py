@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
 from tests.helpers.runs import losses, metrics, pretrain
 
 ARGS = ["train.steps=5", "checkpoint.interval=3", "cluster.param_dtype=fp64"]
+IMAGES = "train.log_images_every=5"  # the diagnostic images of the whole model, any layout
 LAYOUTS = {  # activation checkpointing and expert parallelism ride along (they change nothing)
     "dp4": [],
     "tp2_dp2": ["parallel.tp=2", "parallel.ep=2", "parallel.activation_checkpoint=full"],
@@ -40,10 +42,10 @@ SCHEDULES = {
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp_pp")
     out = {"ref": root / "ref"}
-    pretrain(out["ref"], *ARGS)
+    pretrain(out["ref"], *ARGS, IMAGES)
     for name, extra in LAYOUTS.items():
         out[name] = root / name
-        pretrain(out[name], *ARGS, *extra, nproc=4, timeout=600)
+        pretrain(out[name], *ARGS, IMAGES, *extra, nproc=4, timeout=600)
     for name, extra in SCHEDULES.items():
         out[name] = root / name
         pretrain(out[name], *ARGS, "train.stop_at_step=2", "parallel.pp=2", *extra, nproc=2)
@@ -76,6 +78,19 @@ def test_losses_equal_one_rank(runs, name):
         assert _close(g["expert_load_max_over_mean"], r["expert_load_max_over_mean"], 1e-9)
     if "parallel.ep=2" in LAYOUTS[name]:
         assert all(len(m["ep_rank_load_static"]) == 7 for m in got)  # one per MoE layer
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_images_equal_one_rank(runs, name):
+    """Expert load, router bias and AttnRes depth weights of the whole model: gathered over
+    pipeline stages (the image row sent through the stages), averaged over sequence slices."""
+    ref, got = (np.load(runs[n] / "plots" / "images-step-00000005.npz") for n in ("ref", name))
+    assert (runs[name] / "plots" / "attnres_depth-step-00000005.png").stat().st_size > 0
+    assert np.array_equal(got["moe_layer_ids"], ref["moe_layer_ids"]) and len(ref["moe_layer_ids"])
+    assert np.array_equal(got["attnres_labels"], ref["attnres_labels"])
+    assert np.array_equal(got["expert_load"], ref["expert_load"]) and ref["expert_load"].sum()
+    np.testing.assert_allclose(got["router_bias"], ref["router_bias"], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(got["attnres_weights"], ref["attnres_weights"], rtol=0, atol=1e-9)
 
 
 @pytest.mark.parametrize("name", list(SCHEDULES))

@@ -1,0 +1,113 @@
+"""The diagnostic images' arrays for any layout: whole-model matrices from a TP/PP-sharded model.
+
+`train.model_stats` reads one rank's model. Under pipeline parallelism a rank holds only its
+stages' layers, and under tensor (sequence) parallelism each rank mixes only its slice of the
+tokens, so here:
+- router matrices (expert load, router bias): every pipeline rank's MoE rows, gathered and
+  ordered by decoder layer (they are already equal over dp x tp after `balance_routers`);
+- AttnRes depth weights: one no-grad pass of a single row through the stages in order, the
+  (prefix, blocks) state handed from stage to stage with point-to-point sends (the same tensors
+  the schedule sends), each stage recording its own mixes; the per-mix means are then averaged
+  over the tp ranks (equal token counts each) and gathered over the pipeline.
+Every rank of the job must call `layout_image_arrays` together; only the main rank plots.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from model.packing import Packing
+from parallel.fsdp import unsharded_root
+from parallel.parallelize import ParallelModel
+from parallel.pipeline import stage_indices, stage_io_meta
+from train.model_stats import (
+    _as_matrix,
+    attnres_depth_weights,
+    expert_load_matrix,
+    moe_layer_indices,
+    record_mixes,
+    router_bias_matrix,
+)
+
+
+def _gather_pp(obj, pp_group) -> list:
+    parts: list = [None] * dist.get_world_size(pp_group)
+    dist.all_gather_object(parts, obj, group=pp_group)
+    return parts
+
+
+def router_matrices(pm: ParallelModel) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """(expert load [L, E], router bias [L, E], decoder layer ids) of the whole model."""
+    model = pm.model
+    rows = list(zip(moe_layer_indices(model), expert_load_matrix(model),
+                    router_bias_matrix(model)))
+    if pm.meshes.pp is not None:
+        rows = sorted((r for part in _gather_pp(rows, pm.meshes.pp.get_group()) for r in part),
+                      key=lambda r: r[0])
+    E = model.config.num_experts
+    load = np.stack([r[1] for r in rows]) if rows else np.zeros((0, E), np.int64)
+    bias = np.stack([r[2] for r in rows]) if rows else np.zeros((0, E), np.float32)
+    return load, bias, [r[0] for r in rows]
+
+
+@torch.no_grad()
+def _pipeline_mixes(pm: ParallelModel, ids: torch.Tensor, cu: torch.Tensor,
+                    dtype: torch.dtype) -> list:
+    """(stage, recorded mixes) of this rank's stages for one row sent through the pipeline."""
+    dims, model = pm.dims, pm.model
+    pp_group = pm.meshes.pp.get_group()
+    owner = {s: r for r in range(dims.pp)
+             for s in stage_indices(r, dims.pp, dims.num_stages, dims.pp_schedule)}
+    me = pm.meshes.pp_rank
+    doc_ids = Packing(*ids.shape, ids.device, cu).doc_ids
+    mine = dict(zip(pm.stages, pm.stage_modules))
+    state: tuple[torch.Tensor, ...] = ()
+    out = []
+    for s in range(dims.num_stages):
+        if owner[s] != me:
+            continue
+        if s > 0 and owner[s - 1] != me:  # receive the state the previous stage sent
+            meta = stage_io_meta(model.config, pm.splits, s, ids.shape[0], ids.shape[1],
+                                 dims.tp, dtype)[0]
+            state = tuple(torch.empty(m.shape, dtype=m.dtype, device=ids.device) for m in meta)
+            src = dist.get_global_rank(pp_group, owner[s - 1])
+            for t in state:
+                dist.recv(t, src=src, group=pp_group)
+        inputs = (ids,) if s == 0 else state
+        with record_mixes(model) as recorded:
+            result = mine[s](*inputs, doc_ids=doc_ids, labels=ids)  # the last stage: a loss
+        out.append((s, recorded))
+        if s < dims.num_stages - 1:
+            state = tuple(t.contiguous() for t in result)
+            if owner[s + 1] != me:
+                dst = dist.get_global_rank(pp_group, owner[s + 1])
+                for t in state:
+                    dist.send(t, dst=dst, group=pp_group)
+    return out
+
+
+def attnres_weights(pm: ParallelModel, ids: torch.Tensor, cu: torch.Tensor,
+                    dtype: torch.dtype) -> tuple[np.ndarray, list[str]]:
+    """Depth weights [n_mixes, max_sources] and row labels of one row `ids` [1, T] with
+    document boundaries `cu`, for any layout (see the module docstring)."""
+    if pm.meshes.pp is None:
+        with unsharded_root(pm.model):
+            weights, labels = attnres_depth_weights(pm.model, ids, cu)
+    else:
+        modes = {m: m.training for m in pm.model.modules()}
+        pm.model.eval()  # routers record no statistics
+        try:
+            stages = _pipeline_mixes(pm, ids, cu, dtype)
+        finally:
+            for m, training in modes.items():
+                m.training = training
+        parts = _gather_pp(stages, pm.meshes.pp.get_group())
+        recorded = [mix for _, rec in sorted(p for part in parts for p in part) for mix in rec]
+        weights, labels = _as_matrix(recorded)
+    if pm.meshes.tp is not None:  # each tp rank mixed T/tp tokens: average the means
+        t = torch.from_numpy(weights).to(ids.device)
+        dist.all_reduce(t, group=pm.meshes.tp.get_group())
+        weights = t.cpu().numpy() / pm.meshes.tp.size()
+    return weights, labels
