@@ -9,8 +9,9 @@ the two collectives swap. One all-gather and one reduce-scatter per region, what
 of projections inside.
 
 Parameters are DTensors on the tp mesh: the plan below shards heads (and their per-head gate
-parameters and short convs) by output rows, output projections by input columns, and the LM
-head by vocabulary rows (`parallel.loss_parallel`); everything else is replicated. Model code
+parameters and short convs) by output rows, output projections by input columns, the LM head
+(`parallel.loss_parallel`) and the embedding by vocabulary rows; everything else is
+replicated. Model code
 computes on plain tensors: while a layer (or the root) runs, each of its parameters is shadowed
 by its local shard (`DTensor.to_local`). The gradient of a
 replicated parameter is then this rank's partial sum (its tokens, or its heads), and
@@ -46,7 +47,7 @@ TP_PLAN: dict[type, dict[str, int]] = {
         "q_proj.weight": 0, "q_b_proj.weight": 0, "kv_b_proj.weight": 0, "g_proj.weight": 0,
         "o_proj.weight": 1},  # q_a/kv_a down-projections and their norms: replicated
     SiTUMLP: {"gate_proj.weight": 0, "up_proj.weight": 0, "down_proj.weight": 1},
-    K3Model: {"lm_head.weight": 0},  # vocabulary-parallel head and loss
+    K3Model: {"lm_head.weight": 0, "embed_tokens.weight": 0},  # vocabulary-parallel ends
 }
 
 
@@ -87,14 +88,32 @@ def apply_tensor_parallel(model: K3Model, tp_mesh) -> None:
         model.cross_entropy = functools.partial(
             vocab_parallel_cross_entropy, group=group,
             vocab_start=rank * (model.config.vocab_size // tp))
-    if model.embed_tokens is not None:  # full lookup, keep this rank's sequence slice
-        model.embed_tokens.register_forward_hook(
-            lambda mod, args, out: out.chunk(tp, dim=1)[rank].contiguous())
+    if model.embed_tokens is not None:
+        _vocab_parallel_embedding(model.embed_tokens, group, tp, rank)
     for layer in model.layers.values():
         _scope_locals(layer, "forward", [layer])
     roots = [m for n, m in model.named_children() if n != "layers"]
     for method in ("forward", "forward_stage"):
         _scope_locals(model, method, roots, labels_slice=(tp, rank))
+
+
+def _vocab_parallel_embedding(module: nn.Embedding, group, tp: int, rank: int) -> None:
+    """Embedding rows split by vocabulary: each rank looks up the tokens whose rows it holds
+    (zeros for the others), and one reduce-scatter sums the partial lookups and leaves each rank
+    its sequence slice (Megatron's vocabulary-parallel embedding fused with the SP scatter).
+    Exactly one rank contributes each token, so the sum is exact in any dtype; in backward the
+    all-gathered gradient reaches each token's owner only, so no tp all-reduce is needed."""
+    rows = module.num_embeddings // tp
+    start = rank * rows
+
+    def forward(ids: torch.Tensor) -> torch.Tensor:
+        local = ids - start
+        inside = (local >= 0) & (local < rows)  # [B, T]
+        out = nn.functional.embedding(torch.where(inside, local, 0), module.weight)  # [B, T, d]
+        out = out * inside.unsqueeze(-1).to(out.dtype)
+        return reduce_scatter(out.contiguous(), "sum", 1, group)  # [B, T/tp, d]
+
+    module.forward = forward
 
 
 def _make_region(module: nn.Module, group) -> None:
