@@ -85,6 +85,7 @@ def _backend_for(device_type: str, index: int | None, grouped: bool) -> str:
     return "emulated"
 
 
+@torch.compiler.assume_constant_result  # compiled graphs take the (cached) choice as a constant
 def mx_backend(device: torch.device | str, grouped: bool = False) -> str:
     """"native" on CUDA SM100+ when torch has the block-scaled kernel (for `grouped`, the MX
     grouped GEMM, probed once), else "emulated"; logged once per device. K3_MX_BACKEND forces."""

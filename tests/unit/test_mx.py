@@ -286,3 +286,31 @@ def test_single_nt_primitive_reproduces_each_gemm_axis():
     torch.testing.assert_close(_mm_nt(dy, w.T, "rceil"), _fq(dy, -1, "rceil") @ _fq(w, 0, "rceil"))
     torch.testing.assert_close(_mm_nt(dy.T, x.T, "rceil"),
                                _fq(dy, 0, "rceil").T @ _fq(x, 0, "rceil"))
+
+
+def test_mx_gemms_compile_like_eager():
+    """Under torch.compile (aot_eager) both MX GEMMs give eager's values and gradients, and the
+    backend choice is a trace-time constant (its logging would otherwise break the graph)."""
+    from torch._dynamo.utils import counters
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(40, 64, generator=g), torch.randn(48, 64, generator=g)
+    wg, sizes = torch.randn(3, 48, 64, generator=g), torch.tensor([10, 0, 30])
+
+    def f(x, w, wg):
+        return mx_linear(x, w).square().sum() + mx_grouped_mm(x, wg, sizes).square().sum()
+
+    torch._dynamo.reset()
+    counters.clear()
+    mxl._backend_for.cache_clear()
+    outs = []
+    for fn in (f, torch.compile(f, backend="aot_eager")):
+        leaves = [t.clone().requires_grad_() for t in (x, w, wg)]
+        y = fn(*leaves)
+        y.backward()
+        outs.append([y.detach()] + [t.grad for t in leaves])
+    for a, b in zip(*outs, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
+    assert counters["stats"]["unique_graphs"] > 0
+    assert not any("logging" in reason for reason in counters["graph_break"])
+    torch._dynamo.reset()
