@@ -42,26 +42,53 @@ log = logging.getLogger("k3train.mx")
 BACKENDS = ("emulated", "native")
 
 
-def _native_support(device_type: str, index: int | None) -> tuple[bool, bool, str]:
-    """(linears native, grouped native, why not) for a device, from capability and a probe."""
+def _native_capability(device_type: str, index: int | None, grouped: bool) -> str:
+    """Why this device and torch build cannot run native MX GEMMs ("" if they might)."""
     if device_type != "cuda" or not torch.cuda.is_available():
-        return False, False, "not a CUDA device"
+        return "not a CUDA device"
     major, minor = torch.cuda.get_device_capability(index)
     if major < 10:
-        return False, False, f"SM{major}{minor} has no MX tensor cores (SM100+ does)"
+        return f"SM{major}{minor} has no MX tensor cores (SM100+ does)"
     if not (hasattr(torch, "_scaled_mm") and hasattr(torch, "float8_e8m0fnu")):
-        return False, False, f"torch {torch.__version__} lacks e8m0 block-scaled _scaled_mm"
-    if not hasattr(torch.nn.functional, "scaled_grouped_mm"):
-        return True, False, f"torch {torch.__version__} lacks F.scaled_grouped_mm"
-    try:  # the MX grouped kernel also needs a build with FBGEMM GenAI: ask it once
-        device = torch.device(device_type, index)
-        x = torch.randn(64, 64, device=device)
-        mx_native.native_grouped_nt(x, torch.randn(2, 32, 64, device=device),
-                                    mx_native.GroupLayout(torch.tensor([20, 12], device=device),
-                                                          32), "rceil")
+        return f"torch {torch.__version__} lacks e8m0 block-scaled _scaled_mm"
+    if grouped and not hasattr(torch.nn.functional, "scaled_grouped_mm"):
+        return f"torch {torch.__version__} lacks F.scaled_grouped_mm"
+    return ""
+
+
+def probe_native(device: torch.device | str, grouped: bool) -> str:
+    """Run the native kernels once on a small problem (uneven and empty expert groups; fprop and
+    wgrad for the grouped kind) and compare with the emulation: "" when they agree to bf16
+    output rounding, else why not. A kernel missing from the torch build (the MX grouped GEMM
+    needs FBGEMM GenAI) or one that disagrees leaves the emulation in charge."""
+    device = torch.device(device)
+    gen = torch.Generator(device=device).manual_seed(0)  # leaves the global RNG alone
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device=device)
+
+    try:
+        if grouped:
+            sizes = torch.tensor([20, 0, 44], device=device)
+            x, w, dy = rnd(64, 64), rnd(3, 48, 64), rnd(64, 48)
+            layout = mx_native.GroupLayout(sizes, 64)
+            got = [layout.gather(mx_native.native_grouped_nt(layout.scatter(x), w, layout,
+                                                             "rceil")),
+                   mx_native.native_grouped_wgrad(layout.scatter(dy), layout.scatter(x), layout,
+                                                  "rceil")]
+            want = [grouped_mm(_fq(x, -1, "rceil"), _fq(w, -1, "rceil"), sizes),
+                    _hp_group_wgrad(dy, x, sizes, "rceil")]
+        else:
+            a, b = rnd(64, 96), rnd(40, 96)
+            got = [mx_native.native_mm_nt(a, b, "rceil")]
+            want = [_fq(a, -1, "rceil") @ _fq(b, -1, "rceil").T]
     except Exception as e:  # noqa: BLE001 - any failure means "use the emulation"
-        return True, False, f"MX grouped GEMM probe failed: {type(e).__name__}: {e}"[:300]
-    return True, True, ""
+        return f"native probe failed: {type(e).__name__}: {e}"[:300]
+    for g, r in zip(got, want, strict=True):
+        err = float((g.double() - r.double()).norm() / r.double().norm())
+        if not err < 1e-2:
+            return f"native probe disagrees with the emulation (relative error {err:.3g})"
+    return ""
 
 
 @functools.cache
@@ -73,8 +100,10 @@ def _backend_for(device_type: str, index: int | None, grouped: bool) -> str:
         log.info("MXFP8 on %s:%s (%s GEMMs): %s backend (forced by K3_MX_BACKEND)", device_type,
                  index, "grouped" if grouped else "linear", forced)
         return forced
-    linear_ok, grouped_ok, why = _native_support(device_type, index)
-    native = grouped_ok if grouped else linear_ok
+    why = _native_capability(device_type, index, grouped)
+    if not why:
+        why = probe_native(torch.device(device_type, index), grouped)
+    native = not why
     kind = "grouped expert" if grouped else "linear"
     if native:
         log.info("MXFP8 on %s:%s (%s GEMMs): native block-scaled %s", device_type, index, kind,
@@ -87,8 +116,9 @@ def _backend_for(device_type: str, index: int | None, grouped: bool) -> str:
 
 @torch.compiler.assume_constant_result  # compiled graphs take the (cached) choice as a constant
 def mx_backend(device: torch.device | str, grouped: bool = False) -> str:
-    """"native" on CUDA SM100+ when torch has the block-scaled kernel (for `grouped`, the MX
-    grouped GEMM, probed once), else "emulated"; logged once per device. K3_MX_BACKEND forces."""
+    """"native" on CUDA SM100+ when torch has the block-scaled kernel and a one-time probe
+    (`probe_native`) agrees with the emulation, else "emulated"; logged once per device and GEMM
+    kind. K3_MX_BACKEND forces a backend."""
     device = torch.device(device)
     return _backend_for(device.type, device.index, grouped)
 

@@ -18,9 +18,10 @@ def runs(tmp_path_factory):
     r = pretrain(out["mx"], *ARGS, "precision=mxfp8")
     out["log"] = r.stdout
     pretrain(out["mx2"], *ARGS, "train.stop_at_step=8", "precision=mxfp8", nproc=2)
-    # tp 2 on 2 ranks with the experts spread over the same two ranks (ep borrows tp ranks)
+    # tp 2 on 2 ranks with the experts spread over the same two ranks (ep borrows tp ranks),
+    # and per-op activation checkpointing recomputing the MX GEMMs' neighbours
     pretrain(out["mx_tp_ep"], *ARGS, "train.stop_at_step=8", "precision=mxfp8", "parallel.tp=2",
-             "parallel.ep=2", nproc=2)
+             "parallel.ep=2", "parallel.activation_checkpoint=selective", nproc=2)
     return out
 
 
@@ -46,7 +47,7 @@ def test_mxfp8_under_fsdp_equals_one_rank(runs):
         assert abs(two[s] - one[s]) <= 1e-5 * abs(one[s]), (s, two[s], one[s])
 
 
-def test_mxfp8_composes_with_tensor_and_expert_parallelism(runs):
+def test_mxfp8_composes_with_tensor_and_expert_parallelism_and_checkpointing(runs):
     """MXFP8 linears on tensor-parallel shards (dense MLP and shared experts split by columns,
     down projections by rows; every local contraction dim a multiple of 32) and MXFP8 grouped
     GEMMs over MoonEP groups (home experts + replicas). The forward quantises per token along K,

@@ -225,3 +225,28 @@ def test_quantised_operands_are_e4m3_with_padded_rows():
     ref_q, ref_s = mx_quantize(torch.nn.functional.pad(a, (0, 24, 0, 58)))
     assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
     assert torch.equal(s.view(torch.uint8), ref_s.view(torch.uint8))
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_probe_accepts_kernels_that_agree_and_refuses_others(native, monkeypatch, grouped):
+    """The one-time probe that lets a real SM100 kernel take over: it must pass on kernels that
+    honour the contract, and refuse (leaving the emulation) kernels that fail or are wrong."""
+    assert mxl.probe_native("cpu", grouped) == ""
+    name, good = (("scaled_grouped_mm", fake_scaled_grouped_mm) if grouped
+                  else ("_scaled_mm", fake_scaled_mm))
+    owner = F if grouped else torch
+
+    def transposed_scales(*args, **kw):  # a kernel reading the scales in another order
+        args = list(args)
+        i = 2
+        flat = args[i].view(torch.uint8).reshape(-1)
+        args[i] = flat.flip(0).view(E8M0).reshape(args[i].shape)
+        return good(*args, **kw)
+
+    def missing(*args, **kw):
+        raise RuntimeError("not compiled with FBGEMM GenAI")
+
+    monkeypatch.setattr(owner, name, transposed_scales)
+    assert "disagrees" in mxl.probe_native("cpu", grouped)
+    monkeypatch.setattr(owner, name, missing)
+    assert "RuntimeError" in mxl.probe_native("cpu", grouped)
