@@ -23,9 +23,9 @@ from parallel.fsdp import unsharded_root
 from parallel.parallelize import ParallelModel
 from parallel.pipeline import stage_indices, stage_io_meta
 from train.model_stats import (
-    _as_matrix,
     attnres_depth_weights,
     expert_load_matrix,
+    mixes_as_matrix,
     moe_layer_indices,
     record_mixes,
     router_bias_matrix,
@@ -105,7 +105,7 @@ def attnres_weights(pm: ParallelModel, ids: torch.Tensor, cu: torch.Tensor,
                 m.training = training
         parts = _gather_pp(stages, pm.meshes.pp.get_group())
         recorded = [mix for _, rec in sorted(p for part in parts for p in part) for mix in rec]
-        weights, labels = _as_matrix(recorded)
+        weights, labels = mixes_as_matrix(recorded)
     if pm.meshes.tp is not None:  # each tp rank mixed T/tp tokens: average the means
         t = torch.from_numpy(weights).to(ids.device)
         dist.all_reduce(t, group=pm.meshes.tp.get_group())

@@ -102,7 +102,7 @@ def record_mixes(model: K3Model) -> Iterator[Recorded]:
         decoder_module.mix = original
 
 
-def _as_matrix(recorded: Recorded) -> tuple[np.ndarray, list[str]]:
+def mixes_as_matrix(recorded: Recorded) -> tuple[np.ndarray, list[str]]:
     """Aligned layout: source j < n-1 in column j (emb, block1, ...), `current` in the last."""
     max_sources = max((len(w) for _, w in recorded), default=0)
     out = np.full((len(recorded), max_sources), np.nan)
@@ -134,4 +134,4 @@ def attnres_depth_weights(model: K3Model, input_ids: torch.Tensor,
     finally:
         for m, training in modes.items():
             m.training = training
-    return _as_matrix(recorded)
+    return mixes_as_matrix(recorded)
