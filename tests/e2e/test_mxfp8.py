@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.runs import losses, pretrain
+from tests.helpers.runs import losses, pretrain, pretrain_concurrently
 
 ARGS = ["train.steps=50", "checkpoint.enabled=false", "data.micro_batch=4"]
 
@@ -14,8 +14,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("mx")
     out = {"fp32": root / "fp32", "mx": root / "mx", "mx2": root / "mx2",
            "mx_tp_ep": root / "tp_ep"}
-    pretrain(out["fp32"], *ARGS)
-    r = pretrain(out["mx"], *ARGS, "precision=mxfp8")
+    _, r = pretrain_concurrently((out["fp32"], ARGS), (out["mx"], [*ARGS, "precision=mxfp8"]))
     out["log"] = r.stdout
     pretrain(out["mx2"], *ARGS, "train.stop_at_step=8", "precision=mxfp8", nproc=2)
     # tp 2 on 2 ranks with the experts spread over the same two ranks (ep borrows tp ranks),

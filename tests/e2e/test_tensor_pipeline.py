@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers.runs import losses, metrics, pretrain
+from tests.helpers.runs import losses, metrics, pretrain, pretrain_concurrently
 
 ARGS = ["train.steps=5", "checkpoint.interval=3", "cluster.param_dtype=fp64"]
 IMAGES = "train.log_images_every=5"  # the diagnostic images of the whole model, any layout
@@ -42,16 +42,15 @@ SCHEDULES = {
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp_pp")
     out = {"ref": root / "ref"}
-    pretrain(out["ref"], *ARGS, IMAGES)
+    fp32 = ["train.steps=3", "checkpoint.enabled=false"]
+    out["ref_fp32"], out["pp2_tp2_fp32"] = root / "ref_fp32", root / "pp2_tp2_fp32"
+    pretrain_concurrently((out["ref"], [*ARGS, IMAGES]), (out["ref_fp32"], fp32))  # 1 rank each
     for name, extra in LAYOUTS.items():
         out[name] = root / name
         pretrain(out[name], *ARGS, IMAGES, *extra, nproc=4, timeout=600)
     for name, extra in SCHEDULES.items():
         out[name] = root / name
         pretrain(out[name], *ARGS, "train.stop_at_step=2", "parallel.pp=2", *extra, nproc=2)
-    fp32 = ["train.steps=3", "checkpoint.enabled=false"]
-    out["ref_fp32"], out["pp2_tp2_fp32"] = root / "ref_fp32", root / "pp2_tp2_fp32"
-    pretrain(out["ref_fp32"], *fp32)
     pretrain(out["pp2_tp2_fp32"], *fp32, *LAYOUTS["pp2_tp2"], nproc=4, timeout=600)
     # layout switches at step 3, then the run goes on unchanged: one rank -> pp2 x dp2 (zero-
     # bubble V); tp2 x dp2 x ep2 -> one rank

@@ -34,6 +34,17 @@ def pretrain(run_dir: Path, *overrides: str, nproc: int = 1, env: dict | None = 
     return r
 
 
+def pretrain_concurrently(*jobs: tuple) -> list[subprocess.CompletedProcess]:
+    """Run several `pretrain(run_dir, *overrides, **kw)` jobs, given as (run_dir, overrides,
+    kw), at the same time: single-rank runs use one core each (OMP_NUM_THREADS=1), and
+    interpreter start-up dominates short launches, so two or more together finish sooner."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        futures = [pool.submit(pretrain, d, *o, **(kw[0] if kw else {})) for d, o, *kw in jobs]
+    return [f.result() for f in futures]
+
+
 def metrics(run_dir: Path) -> list[dict]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines if line.strip()]

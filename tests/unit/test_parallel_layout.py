@@ -98,23 +98,28 @@ def test_expert_parallel_borrows_tp_ranks():
     assert "\n" not in str(e.value)
 
 
-def _dry_run(*overrides: str) -> dict:
+def _dry_runs(*layouts: list[str]) -> list[dict]:
+    """The first pipeline rank's row of `launch/dryrun.py` for each layout, in one process."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, str(root / "launch" / "dryrun.py"), *overrides],
+    script = ("import json, sys; from launch import dryrun\n"
+              "for argv in json.loads(sys.argv[1]):\n"
+              "    assert dryrun.main(argv) == 0\n")
+    out = subprocess.run([sys.executable, "-c", script, json.dumps(list(layouts))],
                          capture_output=True, text=True, timeout=300, cwd=root)
     assert out.returncode == 0, out.stderr[-2000:]
-    return json.loads(out.stdout.splitlines()[0])
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    return [r for r in rows if r.get("pp_rank") == 0]
 
 
 def test_dry_run_experts_are_not_replicated_over_tp():
     """tp 2 x dp_shard 2: ep 1 keeps every expert on both tp ranks (FSDP halves them); ep 4
     spreads them over all four ranks, a quarter each, with the dense part unchanged."""
-    replicated = _dry_run("--world", "4", "parallel.tp=2")
-    spread = _dry_run("--world", "4", "parallel.tp=2", "parallel.ep=4")
+    replicated, spread = _dry_runs(["--world", "4", "parallel.tp=2"],
+                                   ["--world", "4", "parallel.tp=2", "parallel.ep=4"])
     experts_replicated = replicated["local_params"] - spread["local_dense_params"]
     assert experts_replicated == 2 * spread["local_expert_params"] > 0
