@@ -130,19 +130,10 @@ def _scatter_bytes(scale: torch.Tensor, idx: torch.Tensor, live: torch.Tensor,
     return out[:size].view(torch.float8_e8m0fnu)
 
 
-def _pad_dim(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
-    pad = -t.shape[dim] % multiple
-    if pad == 0:
-        return t
-    shape = list(t.shape)
-    shape[dim] = pad
-    return torch.cat([t, t.new_zeros(shape)], dim=dim)
-
-
 def _quantize_rows(t: torch.Tensor, mode: str, row_multiple: int) -> tuple[torch.Tensor, ...]:
     """t [..., P, C] -> (e4m3 [..., P', C'], e8m0 scales [..., P', C'/32]): C padded to 32 and P
     to `row_multiple` with zeros, blocked along C (the contraction)."""
-    t = _pad_dim(pad_to_block(t.contiguous(), BLOCK_SIZE, -1)[0], -2, row_multiple)
+    t = pad_to_block(pad_to_block(t.contiguous(), BLOCK_SIZE, -1)[0], row_multiple, -2)[0]
     return mx_quantize(t, BLOCK_SIZE, -1, mode)
 
 
