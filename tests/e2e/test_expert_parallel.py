@@ -1,5 +1,6 @@
 """Expert parallelism (MoonEP dispatch, dynamic replicas) through the real launcher: the same
-losses as one rank, balanced EP ranks, and checkpoints that load into another layout."""
+losses as one rank, balanced EP ranks, the same Quantile-Balancing biases. An EP checkpoint
+resuming on one rank: `test_tensor_pipeline.py` (tp2 x dp2 x ep2 -> one rank)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,7 @@ ARGS = ["train.steps=6", "checkpoint.interval=3"]
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ep")
-    out = {n: root / n for n in ("ref", "ep2_static", "ep4", "ep2_edp2", "ep4_tp2",
-                                 "ep2_to_1")}
+    out = {n: root / n for n in ("ref", "ep2_static", "ep4", "ep2_edp2", "ep4_tp2")}
     pretrain(out["ref"], *ARGS)
     pretrain(out["ep2_static"], *ARGS, "parallel.ep=2", "parallel.ep_replicas=false", nproc=2)
     pretrain(out["ep4"], *ARGS, "parallel.ep=4", nproc=4, timeout=600)
@@ -23,13 +23,10 @@ def runs(tmp_path_factory):
     pretrain(out["ep2_edp2"], *ARGS, "parallel.ep=2", nproc=4, timeout=600)
     # dp_shard 2 x tp 2: the ep group spans both dp and both tp ranks (ep borrows tp ranks)
     pretrain(out["ep4_tp2"], *ARGS, "parallel.ep=4", "parallel.tp=2", nproc=4, timeout=600)
-    # ep 2 with replicas on 2 ranks for steps 1-3, then its checkpoint resumed on one rank
-    pretrain(out["ep2_to_1"], *ARGS, "parallel.ep=2", "train.stop_at_step=3", nproc=2)
-    pretrain(out["ep2_to_1"], *ARGS)  # resume the EP checkpoint on one rank without EP
     return out
 
 
-@pytest.mark.parametrize("name", ["ep2_static", "ep4", "ep2_edp2", "ep4_tp2", "ep2_to_1"])
+@pytest.mark.parametrize("name", ["ep2_static", "ep4", "ep2_edp2", "ep4_tp2"])
 def test_losses_equal_one_rank(runs, name):
     ref, got = losses(runs["ref"]), losses(runs[name])
     assert sorted(got) == list(range(1, 7))
