@@ -11,8 +11,9 @@ Backends (`mx_backend`, logged once per device): "emulated" everywhere but SM100
 with `model.ops.mx`, then a float32 GEMM; bf16 on CUDA, where cuBLAS accumulates in fp32), MX-exact
 up to accumulation order; "native" on SM100+, where the three GEMMs run on e4m3 data with e8m0
 scales in cuBLAS's blocked layout and a bf16 output: `torch._scaled_mm` for linears,
-`F.scaled_grouped_mm` for the experts (when the torch build has the MX grouped kernel, probed
-once). Operand preparation lives in `model.ops.mx_native`; it is checked against an emulator of
+`F.scaled_grouped_mm` for the experts, each only when the torch build has the kernel and a
+one-time probe (`probe_native`) agrees with the emulation.
+Operand preparation lives in `model.ops.mx_native`; it is checked against an emulator of
 the kernels' contract on CPU, but unverified on hardware (no Blackwell machine here).
 `K3_MX_BACKEND=emulated|native` forces a backend.
 
@@ -77,7 +78,7 @@ def probe_native(device: torch.device | str, grouped: bool) -> str:
                    mx_native.native_grouped_wgrad(layout.scatter(dy), layout.scatter(x), layout,
                                                   "rceil")]
             want = [grouped_mm(_fq(x, -1, "rceil"), _fq(w, -1, "rceil"), sizes),
-                    _hp_group_wgrad(dy, x, sizes, "rceil")]
+                    _padded_group_wgrad(dy, x, sizes, "rceil")]
         else:
             a, b = rnd(64, 96), rnd(40, 96)
             got = [mx_native.native_mm_nt(a, b, "rceil")]
@@ -211,7 +212,7 @@ def _scatter_groups(t: torch.Tensor, layout: tuple, G: int) -> torch.Tensor:
     return out.index_put((group_of_row, row_in_group), t)
 
 
-def _hp_group_wgrad(dy: torch.Tensor, x: torch.Tensor, group_sizes: torch.Tensor,
+def _padded_group_wgrad(dy: torch.Tensor, x: torch.Tensor, group_sizes: torch.Tensor,
                     quantise_mode: str | None) -> torch.Tensor:
     """dW_g = dY_g^T · X_g as one bmm over the [G, R, .] padded layout, optionally with both
     operands fake-quantised along the tokens (blocks of 32 start at each group's first row)."""
@@ -259,9 +260,9 @@ class _MXGroupedMM(torch.autograd.Function):
                 w_t = _fq(wc, 1, mode).transpose(1, 2).contiguous()  # [G, K, N]
                 dx = grouped_mm(_fq(dy, -1, mode), w_t, group_sizes)  # [S, K]
             if quantised_wgrad:  # dW_g = dY_g^T · X_g, contraction over group g's tokens
-                dw = _hp_group_wgrad(dy, xc, group_sizes, mode)
+                dw = _padded_group_wgrad(dy, xc, group_sizes, mode)
         if ctx.needs_input_grad[1] and ctx.wgrad_hp:
-            dw = _hp_group_wgrad(dy, xc, group_sizes, None)
+            dw = _padded_group_wgrad(dy, xc, group_sizes, None)
         dx = None if dx is None else dx.to(ctx.x_dtype)
         dw = None if dw is None else dw.to(ctx.w_dtype)
         return dx, dw, None, None, None, None
