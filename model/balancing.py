@@ -16,7 +16,8 @@ Two estimators:
 
 Deliberately NOT here: buffers, collectives (no ``torch.distributed``; the caller all-reduces the
 counts), EMA, activation-checkpoint bookkeeping, and the router itself. All maths is fp32 (or
-fp64 when given fp64); nothing calls ``.item()`` on the hot path, so no host syncs.
+fp64 when given fp64). Nothing on the hot path reads tensor data on the host (counts are
+scatter-adds into fixed-size buffers, not ``bincount``), so no GPU sync.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "count_ids",
     "expert_loads",
     "margin_bounds",
     "margin_histogram",
@@ -102,8 +104,7 @@ def margin_histogram(scores: Tensor, bias: Tensor, topk: int, num_bins: int = 10
     width = (hi - lo) / num_bins
     idx = torch.floor((r - lo) / width).clamp_(0, num_bins - 1).long()
     idx += torch.arange(n, device=r.device) * num_bins  # flat index expert*B + bin
-    counts = torch.bincount(idx.flatten(), minlength=n * num_bins)
-    return counts.view(n, num_bins)
+    return count_ids(idx.flatten(), n * num_bins).view(n, num_bins)
 
 
 def _histogram_quantile(counts: Tensor, bias: Tensor, topk: int) -> Tensor:
@@ -142,6 +143,17 @@ def quantile_balance_update_from_histogram(counts: Tensor, bias: Tensor, topk: i
     return torch.where(counts[0].sum() > 0, new, old)
 
 
+def count_ids(ids: Tensor, n: int) -> Tensor:
+    """int64 ``[n]``: how often each of 0..n-1 occurs in ``ids`` (ids must lie in [0, n)).
+
+    A scatter-add into a fixed-size buffer: unlike ``torch.bincount``, whose output size
+    depends on ``ids.max()``, it never reads data back to the host (no GPU sync), and integer
+    adds make it deterministic."""
+    flat = ids.reshape(-1).long()
+    return torch.zeros(n, dtype=torch.int64, device=ids.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
+
+
 def expert_loads(topk_idx: Tensor, n: int) -> Tensor:
     """Tokens routed to each expert: int64 ``[n]`` from selected expert ids ``[m, k]``."""
-    return torch.bincount(topk_idx.flatten().long(), minlength=n)
+    return count_ids(topk_idx, n)

@@ -24,7 +24,7 @@ from model.mla import GatedMLA
 from model.mlp import SiTUMLP
 from model.moe import LatentMoE
 from model.norms import RMSNorm
-from model.packing import Packing, cu_seqlens_from_doc_ids
+from model.packing import Packing
 
 
 class DecoderLayer(nn.Module):
@@ -113,23 +113,37 @@ class K3Model(nn.Module):
                 self.config.attn_res_eps)
         return self.norm(h)
 
-    def hidden_states(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None
-                      ) -> torch.Tensor:
-        """input_ids [B, T] -> final normalised hidden states [B, T, d]."""
-        B, T = input_ids.shape
+    def hidden_states(self, input_ids: torch.Tensor,
+                      cu_seqlens: torch.Tensor | Packing | None = None) -> torch.Tensor:
+        """input_ids [B, T] -> final normalised hidden states [B, T, d].
+
+        `cu_seqlens`: a prepared `Packing` (the trainer's: validated on the host, copied without
+        blocking), or host boundaries [N+1], validated here before they move to the device."""
         prefix, blocks = self.embed(input_ids)
-        prefix, blocks = self.run_layers(prefix, blocks, Packing(B, T, input_ids.device,
-                                                                 cu_seqlens))
+        prefix, blocks = self.run_layers(prefix, blocks, self.packing(input_ids, cu_seqlens))
         return self.final_hidden(prefix, blocks)
 
-    def forward_stage(self, *inputs: torch.Tensor, doc_ids: torch.Tensor,
-                      labels: torch.Tensor | None = None, layer_ids: list[str] | None = None,
-                      first: bool = False, last: bool = False):
+    @staticmethod
+    def packing(input_ids: torch.Tensor, cu_seqlens: torch.Tensor | Packing | None) -> Packing:
+        if isinstance(cu_seqlens, Packing):
+            return cu_seqlens
+        B, T = input_ids.shape
+        if cu_seqlens is not None and cu_seqlens.device.type != "cpu":
+            return Packing(B, T, input_ids.device, cu_seqlens)  # on the device: not read back
+        return Packing.from_host(cu_seqlens, B, T, input_ids.device)
+
+    def forward_stage(self, *inputs: torch.Tensor, cu_seqlens: torch.Tensor, seq_len: int,
+                      max_seqlen: int | None = None, labels: torch.Tensor | None = None,
+                      layer_ids: list[str] | None = None, first: bool = False,
+                      last: bool = False):
         """One pipeline stage: (input_ids,) if `first` else (prefix, blocks) -> (prefix, blocks),
-        or the loss sum if `last`. Document boundaries come as `doc_ids` [B, T] (they split
-        along the batch like every other micro-batch tensor, unlike cu_seqlens)."""
-        B, T = doc_ids.shape
-        packing = Packing(B, T, doc_ids.device, cu_seqlens_from_doc_ids(doc_ids))
+        or the loss sum if `last`. Document boundaries come as `cu_seqlens` [1, W] on the
+        device: this micro-batch's row of the step's boundaries, padded with empty trailing
+        documents to one width (they split along dim 0 like every other micro-batch tensor);
+        `seq_len` is T (a stage's inputs hold T / tp tokens under sequence parallelism) and
+        `max_seqlen` a host bound of the step's longest document."""
+        packing = Packing(inputs[0].shape[0], seq_len, cu_seqlens.device, cu_seqlens.reshape(-1),
+                          max_seqlen)
         prefix, blocks = self.embed(inputs[0]) if first else inputs
         prefix, blocks = self.run_layers(prefix, blocks, packing, layer_ids)
         if not last:
@@ -142,7 +156,8 @@ class K3Model(nn.Module):
         return self.cross_entropy(h.flatten(0, 1), self.lm_head.weight, labels.flatten(),
                                   self.config.loss_chunk_tokens)
 
-    def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+    def forward(self, input_ids: torch.Tensor,
+                cu_seqlens: torch.Tensor | Packing | None = None,
                 labels: torch.Tensor | None = None):
         """Without labels: logits [B, T, vocab] (materialised; for inspection and tests).
 

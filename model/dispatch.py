@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from model.balancing import count_ids
+
 
 def _combine_dtype(topk_weight: torch.Tensor) -> torch.Tensor:
     """The routing weights in the combine's accumulation dtype: at least fp32."""
@@ -43,7 +45,7 @@ class LocalDispatcher:
         flat = topk_idx.reshape(-1)  # [S*k]
         order = torch.argsort(flat, stable=True)  # [S*k] grouped by expert, token order inside
         x_grouped = x[order // k]  # [S*k, l]
-        group_sizes = torch.bincount(flat, minlength=self.num_experts)  # [E]
+        group_sizes = count_ids(flat, self.num_experts)  # [E] (no host sync, unlike bincount)
         return x_grouped, group_sizes, LocalHandle(order, _combine_dtype(topk_weight), S)
 
     def expert_weights(self, handle: LocalHandle, experts: torch.nn.Module

@@ -3,7 +3,10 @@
 A custom autograd function runs the LM head over chunks of tokens: the forward keeps only the
 loss sum; the backward recomputes each chunk's logits and forms (softmax - onehot) @ W and its
 transpose directly. Peak extra memory is one chunk of fp32 logits; no autograd graph is built
-over the vocabulary. Returns the loss sum so the trainer can divide by the global token count.
+over the vocabulary. Logits and softmax are fp32; the two backward GEMMs run in the activation
+dtype (bf16 on GPU) with fp32 accumulation, and the head weight is cast at most once per
+backward, never per chunk. Returns the loss sum so the trainer can divide by the global token
+count.
 """
 
 from __future__ import annotations
@@ -13,9 +16,22 @@ import torch
 IGNORE_INDEX = -100
 
 
+def mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b in the operands' dtype with an fp32 (or wider) result.
+
+    bf16 on CUDA: one bf16 GEMM that accumulates and writes fp32 (`torch.mm(out_dtype=)`),
+    so no operand is upcast; elsewhere the product is cast (fp32/fp64 operands: exact)."""
+    compute = torch.promote_types(a.dtype, torch.float32)
+    if a.is_cuda and a.dtype != compute and _HAS_MM_OUT_DTYPE:
+        return torch.mm(a, b, out_dtype=compute)
+    return (a @ b).to(compute)
+
+
+_HAS_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # torch >= 2.8: mm.dtype overload
+
+
 def _chunk_logits(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    compute = torch.promote_types(h.dtype, torch.float32)
-    return (h @ w.t()).to(compute)  # [n, vocab] fp32 (fp64 for fp64 inputs)
+    return mm_fp32_out(h, w.t())  # [n, vocab] fp32 (fp64 for fp64 inputs)
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
@@ -36,17 +52,20 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         h, w, labels = ctx.saved_tensors
+        w_act = w.to(h.dtype)  # the head weight in the activation dtype, cast once
         dh = torch.empty_like(h)
         dw = torch.zeros(w.shape, dtype=torch.promote_types(w.dtype, torch.float32),
                          device=w.device)
         for s in range(0, h.shape[0], ctx.chunk):
             hc, y = h[s:s + ctx.chunk], labels[s:s + ctx.chunk]
-            p = torch.softmax(_chunk_logits(hc, w), dim=1)  # [n, vocab]
+            p = torch.softmax(_chunk_logits(hc, w_act), dim=1)  # [n, vocab] fp32
             keep = (y != IGNORE_INDEX).to(p.dtype)
             p[torch.arange(y.shape[0], device=y.device), y.clamp(min=0)] -= 1.0
-            p = p * (keep * grad).unsqueeze(1)  # d loss_sum / d logits
-            dh[s:s + ctx.chunk] = (p @ w.to(p.dtype)).to(h.dtype)
-            dw += p.t() @ hc.to(p.dtype)
+            # d loss_sum / d logits, in the activation dtype: both GEMMs below run there
+            # (fp32 accumulation inside; dw also accumulates over chunks in fp32)
+            p = (p * (keep * grad).unsqueeze(1)).to(h.dtype)
+            dh[s:s + ctx.chunk] = p @ w_act
+            dw += mm_fp32_out(p.t(), hc)
         return dh, dw.to(w.dtype), None, None
 
 

@@ -2,8 +2,14 @@
 
 A batch is `input_ids [B, T]`; documents are described by `cu_seqlens` over the flattened B*T
 tokens (FlashAttention/fla convention) and must start a new document at every row start. With
-`cu_seqlens=None` every row is one document. KDA state, short convolutions and the MLA mask all
-reset at document starts, so a packed batch computes exactly what each document would alone.
+`cu_seqlens=None` every row is one document. KDA state, short convolutions and MLA attention
+all reset at document starts, so a packed batch computes exactly what each document would alone.
+
+Nothing here reads tensor data on the host: `cu_seqlens` is validated on its host copy before
+it moves (`Packing.from_host`, `check_cu_seqlens`), and the per-token views (`doc_ids`,
+`pos_in_doc`) come from `searchsorted`, so a GPU never waits for the CPU inside the model.
+`cu_seqlens` may end in empty documents (repeats of B*T): pipeline stages receive each
+micro-batch's boundaries padded to one width per step.
 """
 
 from __future__ import annotations
@@ -14,7 +20,9 @@ import torch
 
 
 def cu_seqlens_from_doc_ids(doc_ids: torch.Tensor) -> torch.Tensor:
-    """[B, T] integer document ids (a change marks a boundary) -> cu_seqlens [N+1] int32."""
+    """[B, T] integer document ids (a change marks a boundary) -> cu_seqlens [N+1] int32.
+
+    Host-side helper for the data loader (its output length depends on the data)."""
     B, T = doc_ids.shape
     starts = torch.ones_like(doc_ids, dtype=torch.bool)  # [B, T]
     starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
@@ -23,25 +31,80 @@ def cu_seqlens_from_doc_ids(doc_ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([idx, end]).to(torch.int32)
 
 
-class Packing:
-    """Per-forward view of document boundaries for a [B, T] batch."""
+def check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seqlen: int) -> int:
+    """Validate host `cu_seqlens` for a [batch, seqlen] batch; returns the longest document.
 
-    def __init__(self, batch: int, seqlen: int, device: torch.device,
-                 cu_seqlens: torch.Tensor | None = None) -> None:
-        self.batch, self.seqlen, self.device = batch, seqlen, device
-        if cu_seqlens is not None:
-            cu_seqlens = cu_seqlens.to(device=device, dtype=torch.int32)
-            row_starts = torch.arange(0, batch * seqlen, seqlen, device=device, dtype=torch.int32)
-            if int(cu_seqlens[-1]) != batch * seqlen or int(cu_seqlens[0]) != 0:
-                raise ValueError(f"cu_seqlens must run from 0 to B*T={batch * seqlen}")
-            if not torch.isin(row_starts, cu_seqlens).all():
-                raise ValueError("cu_seqlens must contain every row start (multiples of T): "
-                                 "documents may not cross rows of the batch")
+    One-line ValueError naming the fix for boundaries that do not cover the batch, decrease,
+    or let a document cross a row of the batch."""
+    cu = cu_seqlens.detach().to("cpu", torch.int64).flatten()
+    n = batch * seqlen
+    if cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != n:
+        raise ValueError(f"cu_seqlens must run from 0 to B*T={n}, got {cu.tolist()[:8]}...")
+    lengths = cu[1:] - cu[:-1]
+    if int(lengths.min()) < 0:
+        raise ValueError("cu_seqlens must not decrease")
+    row_starts = torch.arange(0, n, seqlen)
+    if not bool(torch.isin(row_starts, cu).all()):
+        raise ValueError("cu_seqlens must contain every row start (multiples of T): "
+                         "documents may not cross rows of the batch")
+    return int(lengths.max())
+
+
+def pad_cu_seqlens(cu_list: list[torch.Tensor], total: int) -> torch.Tensor:
+    """Host cu_seqlens of several micro-batches -> [n, W] int32, each row padded with `total`
+    (empty trailing documents) to the widest."""
+    width = max(int(c.numel()) for c in cu_list)
+    out = torch.full((len(cu_list), width), total, dtype=torch.int32)
+    for i, c in enumerate(cu_list):
+        out[i, :c.numel()] = c.to(torch.int32)
+    return out
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor -> `device`: pinned and non-blocking on CUDA, so the copy does not stall."""
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+class Packing:
+    """Per-forward view of document boundaries for a [B, T] batch.
+
+    `cu_seqlens`: int32 [N+1] on `device` (None: one document per row); `max_seqlen`: a host
+    int >= the longest document (default T: always a valid bound); `cu_seqlens_cpu`: the host
+    copy when the caller has one (lets library kernels skip their own device-to-host read).
+    The constructor never reads tensor data; `from_host` validates first.
+    """
+
+    def __init__(self, batch: int, seqlen: int, device: torch.device | str,
+                 cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None,
+                 cu_seqlens_cpu: torch.Tensor | None = None) -> None:
+        self.batch, self.seqlen, self.device = batch, seqlen, torch.device(device)
+        if cu_seqlens is not None and (cu_seqlens.device != self.device
+                                       or cu_seqlens.dtype != torch.int32):
+            cu_seqlens = to_device(cu_seqlens.to(torch.int32), self.device)
         self.cu_seqlens = cu_seqlens
+        self.max_seqlen = seqlen if max_seqlen is None else int(max_seqlen)
+        self.cu_seqlens_cpu = cu_seqlens_cpu
+
+    @classmethod
+    def from_host(cls, cu_seqlens: torch.Tensor | None, batch: int, seqlen: int,
+                  device: torch.device | str) -> Packing:
+        """Validate host `cu_seqlens`, record its longest document, copy it to `device`."""
+        if cu_seqlens is None:
+            return cls(batch, seqlen, device)
+        cu = cu_seqlens.detach().to("cpu", torch.int32)
+        longest = check_cu_seqlens(cu, batch, seqlen)
+        return cls(batch, seqlen, device, to_device(cu, torch.device(device)), longest, cu)
 
     @property
     def packed(self) -> bool:
         return self.cu_seqlens is not None
+
+    @property
+    def num_docs(self) -> int:
+        """N (static: the length of cu_seqlens - 1; trailing empty documents included)."""
+        return self.batch if self.cu_seqlens is None else self.cu_seqlens.numel() - 1
 
     @cached_property
     def doc_ids(self) -> torch.Tensor:
@@ -50,7 +113,7 @@ class Packing:
         tok = torch.arange(n, device=self.device)
         if self.cu_seqlens is None:
             return (tok // self.seqlen).view(self.batch, self.seqlen)
-        ids = torch.searchsorted(self.cu_seqlens[1:].long(), tok, right=True)
+        ids = torch.searchsorted(self.cu_seqlens[1:], tok.to(torch.int32), right=True)
         return ids.view(self.batch, self.seqlen)
 
     @cached_property
@@ -61,13 +124,3 @@ class Packing:
             return (tok % self.seqlen).view(self.batch, self.seqlen)
         starts = self.cu_seqlens[:-1].long()
         return (tok - starts[self.doc_ids.flatten()]).view(self.batch, self.seqlen)
-
-    @cached_property
-    def attn_mask(self) -> torch.Tensor | None:
-        """Causal block-diagonal bool mask [B, 1, T, T] (True = attend), or None if unpacked."""
-        if self.cu_seqlens is None:
-            return None
-        d = self.doc_ids
-        same = d[:, :, None] == d[:, None, :]  # [B, T, T]
-        causal = torch.ones(self.seqlen, self.seqlen, dtype=torch.bool, device=self.device).tril()
-        return (same & causal).unsqueeze(1)

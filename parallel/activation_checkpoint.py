@@ -2,7 +2,8 @@
 `torch.compile`; both are numerics-neutral switches applied from outside the model.
 
 `full` keeps only each layer's inputs and recomputes the layer in backward. `selective` keeps
-the outputs of the expensive ops (matmuls, grouped GEMMs, attention, collectives: recomputing
+the outputs of the expensive ops (matmuls, grouped GEMMs, attention, our `k3::` custom ops for
+fla KDA, varlen attention and grouped GEMMs, collectives: recomputing
 an all-to-all would repeat the communication) and recomputes the cheap elementwise work (norms,
 gates, SiTU, AttnRes softmax). The router does not count Quantile-Balancing statistics during a
 recompute (`model.moe.in_recomputation`). Both wrap the layer's `forward` in place, so parameter
@@ -22,6 +23,7 @@ from torch.utils.checkpoint import (
 )
 
 AC_MODES = ("none", "full", "selective")
+CUSTOM_OPS_SAVED = ("chunk_kda_fla", "varlen_attention", "grouped_mm")
 
 
 def _save_list() -> set:
@@ -33,6 +35,15 @@ def _save_list() -> set:
     for extra in ("_grouped_mm", "_scaled_mm"):
         if hasattr(ops, extra):
             names.append(getattr(ops, extra).default)
+    import model.ops.attention  # noqa: F401  (registers the k3:: custom ops)
+
+    import model.ops.grouped_gemm  # noqa: F401
+    import model.ops.kda  # noqa: F401
+
+    for name in CUSTOM_OPS_SAVED:  # our fast ops: one opaque node each, expensive to recompute
+        op = getattr(torch.ops.k3, name, None)
+        if op is not None:
+            names.append(op.default)
     c10d = getattr(torch.ops, "_c10d_functional", None)
     if c10d is not None:
         for n in ("all_to_all_single", "all_gather_into_tensor", "reduce_scatter_tensor",

@@ -28,12 +28,27 @@ warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
 def apply_fsdp(model: nn.Module, mesh, param_dtype: str = "fp32", reduce_dtype: str = "fp32",
                reshard_after_forward: bool = True,
                ignored_params: set[nn.Parameter] | None = None) -> nn.Module:
-    """`ignored_params`: parameters sharded by another scheme (expert parallelism)."""
+    """`ignored_params`: parameters sharded by another scheme (expert parallelism).
+
+    The root (embedding, output mix, head) and the last layer keep their parameters gathered
+    from forward to backward (backward needs them first, so resharding would only gather them
+    again), and each layer prefetches its neighbour explicitly: the next layer's all-gather in
+    forward, the previous layer's in backward, issued before this layer's compute."""
     kw = fsdp_kwargs(mesh, param_dtype, reduce_dtype, reshard_after_forward, ignored_params)
-    for layer in model.layers.values():  # type: ignore[union-attr]
-        fully_shard(layer, **kw)
-    fully_shard(model, **kw)
+    layers = list(model.layers.values())  # type: ignore[union-attr]
+    for i, layer in enumerate(layers):
+        fully_shard(layer, **{**kw, "reshard_after_forward":
+                              reshard_after_forward and i < len(layers) - 1})
+    fully_shard(model, **{**kw, "reshard_after_forward": False})
+    set_prefetch(layers)
     return model
+
+
+def set_prefetch(layers: list[nn.Module]) -> None:
+    """Explicit FSDP prefetch along the layer order (one layer ahead, both directions)."""
+    for prev, nxt in zip(layers, layers[1:]):
+        prev.set_modules_to_forward_prefetch([nxt])  # type: ignore[operator]
+        nxt.set_modules_to_backward_prefetch([prev])  # type: ignore[operator]
 
 
 def fsdp_kwargs(mesh, param_dtype: str = "fp32", reduce_dtype: str = "fp32",

@@ -11,6 +11,7 @@ mesh; pipeline ranks hold different layers.
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 
 import torch
 import torch.distributed as dist
@@ -29,19 +30,28 @@ def _copies(g: torch.Tensor, ranks_per_stage: int) -> int:
 
 @torch.no_grad()
 def clip_grad_norm(params, max_norm: float, pp: int = 1) -> float:
-    """Clip in place to `max_norm` (inf: measure only); returns the norm before clipping."""
+    """Clip in place to `max_norm` (inf: measure only); returns the norm before clipping.
+
+    Norms come from `torch._foreach_norm` over the local pieces grouped by copy count and
+    dtype (no per-gradient float64 copies); only the per-piece norms are summed in float64.
+    The clip factor stays a tensor; the returned float is the step's one norm readout."""
     grads = [p.grad for p in params if p.grad is not None]
     ranks_per_stage = (dist.get_world_size() if dist.is_initialized() else 1) // pp
-    total = torch.zeros((), dtype=torch.float64,
-                        device=grads[0].device if grads else torch.device("cpu"))
-    for g in grads:
-        local = g.to_local() if isinstance(g, DTensor) else g
-        total += local.double().pow(2).sum() / _copies(g, ranks_per_stage)
+    device = grads[0].device if grads else torch.device("cpu")
+    locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    for g, local in zip(grads, locals_):
+        if local.numel():
+            groups[(_copies(g, ranks_per_stage), local.dtype, local.device)].append(local)
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for (copies, _, _), pieces in groups.items():
+        norms = torch.stack(torch._foreach_norm(pieces, 2)).double()
+        total += norms.pow(2).sum().to(device) / copies
     if dist.is_initialized():
         dist.all_reduce(total)
-    norm = float(total.sqrt())
-    if math.isfinite(max_norm) and norm > max_norm:
-        coef = max_norm / (norm + 1e-6)
-        for g in grads:
-            (g.to_local() if isinstance(g, DTensor) else g).mul_(coef)
-    return norm
+    norm = total.sqrt()
+    if math.isfinite(max_norm):
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for (_, dtype, dev), pieces in groups.items():
+            torch._foreach_mul_(pieces, coef.to(dev, dtype))
+    return float(norm)

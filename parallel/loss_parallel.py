@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from model.loss import IGNORE_INDEX
+from model.loss import IGNORE_INDEX, mm_fp32_out
 from parallel.collectives import all_gather
 
 
@@ -27,7 +27,7 @@ class _VocabParallelCE(torch.autograd.Function):
         total = torch.zeros((), dtype=compute, device=h.device)
         stats = []
         for s in range(0, h.shape[0], chunk):  # a loop over chunks of tokens, not tokens
-            logits = (h[s:s + chunk] @ w.t()).to(compute)  # [n, V/tp]
+            logits = mm_fp32_out(h[s:s + chunk], w.t())  # [n, V/tp]
             y = labels[s:s + chunk]
             local = y - vocab_start
             mine = (local >= 0) & (local < v_local)
@@ -49,19 +49,20 @@ class _VocabParallelCE(torch.autograd.Function):
         h, w, labels, stats = ctx.saved_tensors
         compute = stats.dtype
         v_local = w.shape[0]
+        w_act = w.to(h.dtype)  # cast at most once per backward
         dh = torch.empty_like(h)
         dw = torch.zeros(w.shape, dtype=compute, device=w.device)
         for s in range(0, h.shape[0], ctx.chunk):
             hc, y = h[s:s + ctx.chunk], labels[s:s + ctx.chunk]
             m, sumexp = stats[0, s:s + ctx.chunk], stats[1, s:s + ctx.chunk]
-            p = torch.exp((hc @ w.t()).to(compute) - m[:, None]) / sumexp[:, None]  # [n, V/tp]
+            p = torch.exp(mm_fp32_out(hc, w_act.t()) - m[:, None]) / sumexp[:, None]  # [n, V/tp]
             local = y - ctx.vocab_start
-            mine = (local >= 0) & (local < v_local)
-            rows = torch.arange(y.shape[0], device=y.device)[mine]
-            p[rows, local[mine]] -= 1.0
-            p = p * ((y != IGNORE_INDEX).to(compute) * grad).unsqueeze(1)
-            dh[s:s + ctx.chunk] = (p @ w.to(compute)).to(h.dtype)
-            dw += p.t() @ hc.to(compute)
+            mine = ((local >= 0) & (local < v_local)).to(p.dtype)
+            # minus one at the target column where this rank holds it (a scatter, no mask index)
+            p.scatter_add_(1, local.clamp(0, v_local - 1)[:, None], -mine[:, None])
+            p = (p * ((y != IGNORE_INDEX).to(compute) * grad).unsqueeze(1)).to(h.dtype)
+            dh[s:s + ctx.chunk] = p @ w_act  # activation-dtype GEMMs, fp32 accumulation
+            dw += mm_fp32_out(p.t(), hc)
         return dh, dw.to(w.dtype), None, None, None, None
 
 

@@ -5,8 +5,10 @@ the LM head's cost counts on the last stage), embedding on the first stage and t
 norm and head on the last. A rank keeps one pruned `K3Model` holding the layers of all its
 stages, under their global names, so checkpoints move between layouts. The AttnRes state
 crosses stage boundaries as two ordinary activations, `prefix [B, T, d]` and `blocks
-[n, B, T, d]`; document boundaries travel as `doc_ids [B, T]`, a keyword input every stage gets
-for its micro-batch (it splits along the batch like the tokens); the last stage returns the
+[n, B, T, d]`; document boundaries travel as `cu_seqlens [n_micro, W]`, a keyword input every
+stage gets a row of (each micro-batch's boundaries padded with empty documents to one width,
+so it splits along dim 0 like the tokens; host ints `seq_len` and `max_seqlen` ride along
+unsplit): no stage derives boundaries with a host sync. The last stage returns the
 micro-batch's loss sum, and the schedule's loss function scales it by data-parallel size over
 global tokens (`scale_grads=False`: the schedule must not average over micro-batches).
 """
@@ -104,9 +106,10 @@ class PipelineStageModule(nn.Module):
             self.output = nn.ModuleList([model.output_attn_res_norm, model.output_attn_res_proj,
                                          model.norm, model.lm_head])
 
-    def forward(self, *inputs: torch.Tensor, doc_ids: torch.Tensor,
-                labels: torch.Tensor | None = None):
-        out = self.model.forward_stage(*inputs, doc_ids=doc_ids, labels=labels,
+    def forward(self, *inputs: torch.Tensor, cu_seqlens: torch.Tensor, seq_len: int,
+                max_seqlen: int | None = None, labels: torch.Tensor | None = None):
+        out = self.model.forward_stage(*inputs, cu_seqlens=cu_seqlens, seq_len=seq_len,
+                                       max_seqlen=max_seqlen, labels=labels,
                                        layer_ids=self.layer_ids, first=self.first,
                                        last=self.last)
         if self.last:

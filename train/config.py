@@ -93,6 +93,9 @@ class TrainConfig:
     stop_at_step: int | None = None  # end this run early (with a checkpoint); resume continues
     log_images_every: int = 50
     log_sample_ids: bool = False  # record the global batch's sample ids in metrics.jsonl
+    # count host synchronisations per step (train.host_syncs): host_syncs_model (inside the
+    # model's forward + backward, 0 without EP) and host_syncs_step (the whole step), by op
+    count_host_syncs: bool = False
 
 
 @dataclass

@@ -61,7 +61,9 @@ def _pipeline_mixes(pm: ParallelModel, ids: torch.Tensor, cu: torch.Tensor,
     owner = {s: r for r in range(dims.pp)
              for s in stage_indices(r, dims.pp, dims.num_stages, dims.pp_schedule)}
     me = pm.meshes.pp_rank
-    doc_ids = Packing(*ids.shape, ids.device, cu).doc_ids
+    packing = Packing.from_host(cu.cpu(), *ids.shape, ids.device)
+    stage_kw = {"cu_seqlens": packing.cu_seqlens.view(1, -1), "seq_len": ids.shape[1],
+                "max_seqlen": packing.max_seqlen}
     mine = dict(zip(pm.stages, pm.stage_modules))
     state: tuple[torch.Tensor, ...] = ()
     out = []
@@ -77,7 +79,7 @@ def _pipeline_mixes(pm: ParallelModel, ids: torch.Tensor, cu: torch.Tensor,
                 dist.recv(t, src=src, group=pp_group)
         inputs = (ids,) if s == 0 else state
         with record_mixes(model) as recorded:
-            result = mine[s](*inputs, doc_ids=doc_ids, labels=ids)  # the last stage: a loss
+            result = mine[s](*inputs, **stage_kw, labels=ids)  # the last stage: a loss
         out.append((s, recorded))
         if s < dims.num_stages - 1:
             state = tuple(t.contiguous() for t in result)

@@ -8,6 +8,7 @@ router biases are updated after the optimizer step.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -25,7 +26,7 @@ from data.loader import BatchLoader, local_target_tokens
 from data.tokenizer import load_tokenizer
 from model.config import ConfigError
 from model.decoder import K3Model
-from model.packing import Packing
+from model.packing import Packing, check_cu_seqlens, pad_cu_seqlens, to_device
 from parallel.dims import ParallelDims
 from parallel.expert_parallel import ep_load_metrics, finalize_expert_grads
 from parallel.fsdp import DTYPES, set_gradient_sync
@@ -36,6 +37,7 @@ from train.checkpoint import Checkpointer
 from train.config import JobConfig
 from train.distributed import DistEnv
 from train.flops import flops_per_token, mfu, peak_flops
+from train.host_syncs import HostSyncCounter
 from train.layout_images import attnres_weights, router_matrices
 from train.metrics import MetricsLogger, memory_stats
 from train.model_stats import moe_layer_indices
@@ -81,7 +83,10 @@ def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
             t0 = time.perf_counter()
             ep_load_metrics(model)  # drop dispatches outside training steps (image forwards)
             batches = loader.next_step()
-            loss, _, grad_norm = train_step(pm, optimizer, batches, env, job.optim.grad_clip)
+            syncs = SyncCounts() if job.train.count_host_syncs else None
+            with syncs.step if syncs else contextlib.nullcontext():
+                loss, _, grad_norm = train_step(pm, optimizer, batches, env, job.optim.grad_clip,
+                                                syncs)
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
             loads = _layer_stats(model, balance_routers(model, meshes.batch_group),
@@ -96,7 +101,8 @@ def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
                 "mfu": mfu(tps / env.world_size, fpt, peak) if peak else None,
                 "step_time_s": dt, "tokens_seen": state["tokens_seen"],
                 **loads,
-                **memory_stats(env.device)}
+                **memory_stats(env.device),
+                **(syncs.metrics() if syncs else {})}
             if job.train.log_sample_ids:
                 scalars["sample_ids"] = _global_sample_ids(batches, env, meshes.dp_group)
             metrics.log_step(state["step"], scalars)
@@ -120,26 +126,45 @@ def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
     return state
 
 
+class SyncCounts:
+    """Host-sync counters of one step: `step` (all of it) and `model` (inside the model's
+    forward and backward: entered around each micro-batch, or around the pipeline schedule)."""
+
+    def __init__(self) -> None:
+        self.step, self.model = HostSyncCounter(), HostSyncCounter()
+
+    def metrics(self) -> dict:
+        return {"host_syncs_model": self.model.total, "host_syncs_step": self.step.total,
+                "host_syncs_by_op": dict(sorted(self.step.counts.items()))}
+
+
 def train_step(pm: ParallelModel, optimizer: torch.optim.Optimizer, batches: list[dict],
-               env: DistEnv, grad_clip: float) -> tuple[float, int, float]:
+               env: DistEnv, grad_clip: float, syncs: SyncCounts | None = None
+               ) -> tuple[float, int, float]:
     """Forward/backward over this rank's micro-batches (or the pipeline schedule), clip, step.
 
     Returns (global token-mean loss, global target tokens, gradient norm before clipping).
+    Host reads per step outside the model: the global token count, the loss and the gradient
+    norm (one each), plus the router-balancing ratios after the step.
     """
+    in_model = syncs.model if syncs else contextlib.nullcontext()
     model, dims = pm.model, pm.dims
     counts = torch.tensor([local_target_tokens(batches)], dtype=torch.float64, device=env.device)
     dist.all_reduce(counts, group=pm.meshes.dp_group)
     global_tokens = int(counts.item())
     scale = dims.dp / max(global_tokens, 1)  # FSDP averages over dp ranks: undo, then / tokens
     if pm.schedule is not None:
-        loss_sum = _pipeline_forward_backward(pm, batches, env, scale)
+        loss_sum = _pipeline_forward_backward(pm, batches, env, scale, in_model)
     else:
         loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
         for i, mb in enumerate(batches):
             set_gradient_sync(model, i == len(batches) - 1)
-            s, _ = model(mb["input_ids"].to(env.device), mb["cu_seqlens"].to(env.device),
-                         labels=mb["labels"].to(env.device))
-            (s * scale).backward()
+            ids = to_device(mb["input_ids"], env.device)  # pinned, non-blocking on CUDA
+            packing = Packing.from_host(mb["cu_seqlens"], *ids.shape, env.device)
+            labels = to_device(mb["labels"], env.device)
+            with in_model:
+                s, _ = model(ids, packing, labels=labels)
+                (s * scale).backward()
             loss_sum += s.detach().double()
     dist.all_reduce(loss_sum)  # data ranks; 0 on non-last pp stages
     loss_sum /= dims.tp  # the vocabulary-parallel loss: every tp rank holds the full sum
@@ -154,21 +179,24 @@ def train_step(pm: ParallelModel, optimizer: torch.optim.Optimizer, batches: lis
 
 
 def _pipeline_forward_backward(pm: ParallelModel, batches: list[dict], env: DistEnv,
-                               scale: float) -> torch.Tensor:
+                               scale: float, in_model=None) -> torch.Tensor:
     """Run the schedule over this rank's micro-batches; returns the local loss sum (float64)."""
     dev = env.device
-    ids = torch.cat([b["input_ids"] for b in batches]).to(dev)
-    labels = torch.cat([b["labels"] for b in batches]).to(dev)
-    doc_ids = torch.cat([Packing(*b["input_ids"].shape, dev, b["cu_seqlens"].to(dev)).doc_ids
-                         for b in batches])
+    ids = to_device(torch.cat([b["input_ids"] for b in batches]), dev)
+    labels = to_device(torch.cat([b["labels"] for b in batches]), dev)
+    B, T = batches[0]["input_ids"].shape
+    # validated on the host; one row per micro-batch, padded with empty documents to one width
+    longest = max(check_cu_seqlens(b["cu_seqlens"], B, T) for b in batches)
+    cu = to_device(pad_cu_seqlens([b["cu_seqlens"] for b in batches], B * T), dev)
     pm.loss_scale.value = scale
     losses: list[torch.Tensor] = []
     args = (ids,) if pm.has_first_stage else ()
-    pm.schedule.step(*args, target=labels, losses=losses, return_outputs=False,
-                     doc_ids=doc_ids, labels=labels)
+    with in_model or contextlib.nullcontext():
+        pm.schedule.step(*args, target=labels, losses=losses, return_outputs=False,
+                         cu_seqlens=cu, seq_len=T, max_seqlen=longest, labels=labels)
     total = torch.zeros((), dtype=torch.float64, device=dev)
     if pm.has_last_stage:
-        total += sum(float(x.detach()) for x in losses) / scale
+        total += torch.stack([x.detach() for x in losses]).double().sum() / scale
     return total
 
 
@@ -191,8 +219,8 @@ def balance_routers(model: K3Model, group=None) -> float | None:
         r.expert_load.copy_(flat[offset + n:offset + n + E])
         offset += n + E
         r.apply_quantile_balancing()
-    return [float(r.expert_load.max()) / max(float(r.expert_load.float().mean()), 1e-9)
-            for r in routers]
+    loads = torch.stack([r.expert_load.double() for r in routers])  # [layers, E]
+    return (loads.max(1).values / loads.mean(1).clamp(min=1e-9)).tolist()  # one host read
 
 
 def _layer_stats(model: K3Model, ratios: list[float], ep: dict, pp_group) -> dict:
@@ -235,7 +263,7 @@ def _log_images(pm: ParallelModel, metrics: MetricsLogger, step: int, batch: dic
     """The three diagnostic images of the whole model, in any layout (every rank calls)."""
     ids = batch["input_ids"][:1].to(env.device)
     cu = batch["cu_seqlens"]
-    cu = cu[cu <= ids.shape[1]].to(env.device)  # the first row's documents only
+    cu = cu[cu <= ids.shape[1]]  # the first row's documents only (host boundaries)
     weights, labels = attnres_weights(pm, ids, cu, act_dtype)
     load, bias, layer_ids = router_matrices(pm)
     if env.is_main:

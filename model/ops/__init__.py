@@ -1,6 +1,13 @@
 """Numeric ops: each has a pure-PyTorch reference (the test oracle) and fast backends by device.
 
-The MXFP8 GEMMs live in `model.ops.mx_linear` (`mx_linear`, `mx_grouped_mm`).
+The MXFP8 GEMMs live in `model.ops.mx_linear` (`mx_linear`, `mx_grouped_mm`). The fast
+backends are `torch.library` custom ops (`torch.ops.k3.*`) with fake implementations,
+registered on every machine, so fake-tensor traces and torch.compile see one node each;
+`model.ops.backends.force_cuda_backends()` selects them on any device.
+
+Host synchronisation: the GPU path syncs nowhere. `HOST_SYNC_OPS` lists the places that may
+still read tensor data on the host, each because its CUDA path is a library kernel that needs
+the value, or because it is a reference path that the GPU never takes.
 """
 
 from model.ops.attnres import attnres_mix, attnres_weights
@@ -9,7 +16,17 @@ from model.ops.kda import chunk_kda, recurrent_kda
 from model.ops.mx import fake_quantize_mx, mx_dequantize, mx_quantize, pad_to_block
 from model.ops.situ import situ_glu
 
+HOST_SYNC_OPS = {
+    "k3::chunk_kda_fla": "fla computes its chunk indices from cu_seqlens on the host unless "
+                         "given cu_seqlens_cpu (the trainer's packing passes it)",
+    "grouped_gemm._padded_bmm": "reference path (float64 verification, odd widths): one read "
+                                "of the largest group; CUDA bf16 uses k3::grouped_mm",
+    "mx_linear._padded_group_wgrad (float64)": "reference path of the emulated MXFP8 weight "
+                                               "gradient in float64 only",
+}
+
 __all__ = [
+    "HOST_SYNC_OPS",
     "attnres_mix", "attnres_weights", "chunk_kda", "fake_quantize_mx", "grouped_mm",
     "mx_dequantize", "mx_quantize", "pad_to_block",
     "recurrent_kda", "situ_glu",

@@ -1,9 +1,14 @@
 """Grouped GEMM for expert compute: rows of `x` sorted by group, one weight matrix per group.
 
 Backends (chosen by device and dtype, never by a Python loop over groups):
-- "grouped_mm": `torch._grouped_mm` (CPU fp32/bf16, bf16 only when compiled; CUDA bf16 on SM90+).
+- "grouped_mm": the custom op `k3::grouped_mm` over `torch._grouped_mm` (CPU fp32/bf16; CUDA
+  bf16 on SM90+), with its backward as two more grouped GEMMs (`k3::grouped_mm` for dx,
+  `k3::grouped_mm_wgrad` for dw). One opaque node for torch.compile and fake-tensor traces; the
+  group offsets stay on the device (no host sync). It is the CUDA choice, and the one taken
+  under `model.ops.backends.force_cuda_backends()`.
 - "padded_bmm": scatter each group into a padded [G, max_rows, in] batch and run one `bmm`;
-  works for every dtype (float64 gradchecks) and device, at the cost of one host sync.
+  works for every dtype (float64 verification runs) and device, at the cost of one host sync
+  (`max_rows`). The reference path only: listed in `model.ops.HOST_SYNC_OPS`.
 """
 
 from __future__ import annotations
@@ -12,23 +17,63 @@ import os
 
 import torch
 
+from model.ops.backends import cuda_backends_forced
+
 
 def grouped_mm_backend(x: torch.Tensor, w: torch.Tensor) -> str:
     forced = os.environ.get("K3_GROUPED_MM_BACKEND")
     if forced:
         return forced
+    if cuda_backends_forced():
+        return "grouped_mm"
     if not hasattr(torch, "_grouped_mm"):
         return "padded_bmm"
     if any(n * x.element_size() % 16 for n in w.shape[1:]):  # _grouped_mm needs 16-byte strides
         return "padded_bmm"
     if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
-        # under torch.compile the op's shape function accepts bf16 only (as on CUDA)
-        if x.dtype == torch.bfloat16 or not torch.compiler.is_compiling():
-            return "grouped_mm"
+        return "grouped_mm"
     if x.device.type == "cuda" and x.dtype == torch.bfloat16:
         if torch.cuda.get_device_capability(x.device)[0] >= 9:
             return "grouped_mm"
     return "padded_bmm"
+
+
+@torch.library.custom_op("k3::grouped_mm", mutates_args=())
+def _grouped_mm_op(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """[S, in] x [G, out, in] with int32 end offsets [G] -> [S, out]."""
+    return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+
+
+@_grouped_mm_op.register_fake
+def _(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w.shape[1])
+
+
+@torch.library.custom_op("k3::grouped_mm_wgrad", mutates_args=())
+def _grouped_mm_wgrad_op(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Per group dy[rows].T @ x[rows]: [S, out], [S, in] -> [G, out, in]."""
+    return torch._grouped_mm(dy.t(), x, offs=offs)
+
+
+@_grouped_mm_wgrad_op.register_fake
+def _(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return dy.new_empty(offs.shape[0], dy.shape[1], x.shape[1])
+
+
+def _setup(ctx, inputs, output) -> None:
+    x, w, offs = inputs
+    ctx.save_for_backward(x, w, offs)
+
+
+def _backward(ctx, dy: torch.Tensor):
+    x, w, offs = ctx.saved_tensors
+    dy = dy.contiguous()  # _grouped_mm rejects stride-0 (expanded) gradients
+    dx = _grouped_mm_op(dy, w.transpose(-2, -1), offs) if ctx.needs_input_grad[0] else None
+    dw = _grouped_mm_wgrad_op(dy, x, offs) if ctx.needs_input_grad[1] else None
+    return dx, dw, None
+
+
+_grouped_mm_op.register_autograd(_backward, setup_context=_setup)
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
@@ -38,12 +83,14 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> t
     group_sizes: [G] int, summing to S. Returns [S, out] in x's dtype.
     """
     if grouped_mm_backend(x, w) == "grouped_mm":
-        offs = torch.cumsum(group_sizes, 0).to(torch.int32)  # [G] end offsets
-        y = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)  # [S, out]
-        if y.requires_grad:  # _grouped_mm's backward rejects stride-0 (expanded) gradients
-            y.register_hook(lambda g: g.contiguous())
-        return y
+        offs = torch.cumsum(group_sizes, 0).to(torch.int32)  # [G] end offsets, on the device
+        return _grouped_mm_op(x, w, offs)
     return _padded_bmm(x, w, group_sizes)
+
+
+def grouped_mm_wgrad(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Per-group dy[rows].T @ x[rows] -> [G, out, in]; `offs` [G] int32 end offsets."""
+    return _grouped_mm_wgrad_op(dy, x, offs)
 
 
 def _padded_bmm(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
@@ -52,7 +99,7 @@ def _padded_bmm(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> 
     group_of_row = torch.repeat_interleave(torch.arange(G, device=x.device), sizes, output_size=S)
     starts = torch.cumsum(sizes, 0) - sizes  # [G]
     row_in_group = torch.arange(S, device=x.device) - starts[group_of_row]  # [S]
-    max_rows = int(sizes.max().item()) if S > 0 else 0
+    max_rows = int(sizes.max().item()) if S > 0 else 0  # the one host sync (reference path)
     padded = x.new_zeros(G, max_rows, x.shape[1])  # [G, R, in]
     padded = padded.index_put((group_of_row, row_in_group), x)
     y = torch.bmm(padded, w.transpose(-2, -1))  # [G, R, out]

@@ -34,7 +34,7 @@ import os
 import torch
 
 from model.ops import mx_native
-from model.ops.grouped_gemm import grouped_mm
+from model.ops.grouped_gemm import grouped_mm, grouped_mm_backend, grouped_mm_wgrad
 from model.ops.mx import BLOCK_SIZE, MODES, fake_quantize_mx, pad_to_block
 
 log = logging.getLogger("k3train.mx")
@@ -202,7 +202,7 @@ def _group_layout(group_sizes: torch.Tensor, S: int) -> tuple[torch.Tensor, torc
     group_of_row = torch.repeat_interleave(rows, sizes, output_size=S)  # [S]
     starts = torch.cumsum(sizes, 0) - sizes  # [G]
     row_in_group = torch.arange(S, device=sizes.device) - starts[group_of_row]  # [S]
-    max_rows = int(sizes.max().item()) if G > 0 else 0
+    max_rows = int(sizes.max().item()) if G > 0 else 0  # host sync: float64 reference only
     return group_of_row, row_in_group, max_rows + (-max_rows % BLOCK_SIZE)
 
 
@@ -213,10 +213,21 @@ def _scatter_groups(t: torch.Tensor, layout: tuple, G: int) -> torch.Tensor:
 
 
 def _padded_group_wgrad(dy: torch.Tensor, x: torch.Tensor, group_sizes: torch.Tensor,
-                    quantise_mode: str | None) -> torch.Tensor:
-    """dW_g = dY_g^T · X_g as one bmm over the [G, R, .] padded layout, optionally with both
-    operands fake-quantised along the tokens (blocks of 32 start at each group's first row)."""
+                        quantise_mode: str | None) -> torch.Tensor:
+    """dW_g = dY_g^T · X_g, optionally with both operands fake-quantised along the tokens in
+    blocks of 32 that start at each group's first row (zero rows pad each group to 32).
+
+    fp32/bf16: the flat 32-aligned layout of `mx_native.GroupLayout` (sized from shapes, no host
+    sync) and one 2d x 2d grouped GEMM. float64 (verification): a [G, R, .] padded bmm, whose
+    R is read on the host."""
     G = group_sizes.shape[0]
+    w_like = x.new_empty(0, dy.shape[1], x.shape[1])  # [G, N, K] strides for the backend check
+    if grouped_mm_backend(x, w_like) == "grouped_mm":
+        layout = mx_native.GroupLayout(group_sizes, x.shape[0])
+        dy_p, x_p = layout.scatter(dy), layout.scatter(x)  # [capacity, N], [capacity, K]
+        if quantise_mode is not None:
+            dy_p, x_p = _fq(dy_p, 0, quantise_mode), _fq(x_p, 0, quantise_mode)
+        return grouped_mm_wgrad(dy_p, x_p, layout.offs)  # [G, N, K]
     layout = _group_layout(group_sizes, x.shape[0])
     dy_g = _scatter_groups(dy, layout, G)  # [G, R, N]
     x_g = _scatter_groups(x, layout, G)  # [G, R, K]

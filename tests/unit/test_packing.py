@@ -76,8 +76,30 @@ def test_packing_matters():
     torch.testing.assert_close(a[0, :5], b[0, :5])
 
 
-def test_rejects_documents_crossing_rows():
+def test_rejects_bad_boundaries_on_the_host():
+    """Validation happens on the host copy, before anything moves (`Packing.from_host`, and the
+    model when given host boundaries); the device-side constructor reads no data."""
     import pytest
 
+    cpu = torch.device("cpu")
     with pytest.raises(ValueError, match="row start"):
-        Packing(2, 4, torch.device("cpu"), torch.tensor([0, 2, 6, 8]))
+        Packing.from_host(torch.tensor([0, 2, 6, 8]), 2, 4, cpu)
+    with pytest.raises(ValueError, match="from 0 to B\\*T=8"):
+        Packing.from_host(torch.tensor([0, 4, 7]), 2, 4, cpu)
+    with pytest.raises(ValueError, match="decrease"):
+        Packing.from_host(torch.tensor([0, 4, 3, 4, 8]), 2, 4, cpu)
+    with pytest.raises(ValueError, match="row start"):
+        tiny_model().hidden_states(torch.zeros(2, 4, dtype=torch.long), torch.tensor([0, 2, 6, 8]))
+    assert Packing.from_host(torch.tensor([0, 3, 4, 8]), 2, 4, cpu).max_seqlen == 4
+
+
+def test_trailing_empty_documents_change_nothing():
+    """Pipeline stages get boundaries padded with empty documents (repeats of B*T)."""
+    model = tiny_model()
+    ids, cu = _packed_batch()
+    padded = torch.cat([cu, cu[-1:].repeat(3)])
+    p = Packing(*ids.shape, ids.device, padded)
+    assert torch.equal(p.doc_ids, Packing(*ids.shape, ids.device, cu).doc_ids)
+    with torch.no_grad():
+        torch.testing.assert_close(model.hidden_states(ids, p), model.hidden_states(ids, cu),
+                                   rtol=1e-6, atol=1e-6)
