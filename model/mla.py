@@ -2,18 +2,20 @@
 
 q-LoRA (RMSNorm eps 1e-6) -> q [H, 128+64]; kv-LoRA (RMSNorm eps 1e-6) -> k_C, v per head plus one
 64-dim k_R shared by all heads; no rotary embedding (position comes from KDA); softmax scale
-192^-1/2; full-rank sigmoid output gate per channel; output projection. Attention goes through
-SDPA: `is_causal` for unpacked rows, a causal block-diagonal mask for packed documents.
+192^-1/2; full-rank sigmoid output gate per channel; output projection. Attention is
+`model.ops.attention.packed_causal_attention`: SDPA `is_causal` for unpacked rows; for packed
+documents varlen FlashAttention on CUDA or a blockwise masked SDPA elsewhere, neither of which
+builds a [T, T] mask or reads tensor data on the host.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from model.config import ModelConfig
 from model.norms import RMSNorm
+from model.ops.attention import packed_causal_attention
 from model.packing import Packing
 
 
@@ -55,11 +57,7 @@ class GatedMLA(nn.Module):
         kv = self.kv_b_proj(self.kv_a_layernorm(c_kv)).view(B, T, H, self.nope + self.v_dim)
         k_c, v = kv.split([self.nope, self.v_dim], dim=-1)  # [B, T, H, 128], [B, T, H, 128]
         k = torch.cat([k_c, k_r.unsqueeze(2).expand(B, T, H, self.rope)], dim=-1)  # [B,T,H,192]
-        mask = packing.attn_mask
-        o = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # [B, H, T, *]
-            attn_mask=mask, is_causal=mask is None, scale=self.scale,
-        ).transpose(1, 2)  # [B, T, H, v]
+        o = packed_causal_attention(q, k, v, packing, self.scale)  # [B, T, H, v]
         o = o.reshape(B, T, H * self.v_dim)
         if self.g_proj is not None:
             compute = torch.promote_types(o.dtype, torch.float32)

@@ -34,20 +34,19 @@ def cu_seqlens_from_doc_ids(doc_ids: torch.Tensor) -> torch.Tensor:
 def check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seqlen: int) -> int:
     """Validate host `cu_seqlens` for a [batch, seqlen] batch; returns the longest document.
 
-    One-line ValueError naming the fix for boundaries that do not cover the batch, decrease,
-    or let a document cross a row of the batch."""
-    cu = cu_seqlens.detach().to("cpu", torch.int64).flatten()
+    One read of the host tensor (`tolist`), then plain Python. One-line ValueError naming the
+    fix for boundaries that do not cover the batch, decrease, or let a document cross a row."""
+    cu = cu_seqlens.detach().flatten().tolist()
     n = batch * seqlen
-    if cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != n:
-        raise ValueError(f"cu_seqlens must run from 0 to B*T={n}, got {cu.tolist()[:8]}...")
-    lengths = cu[1:] - cu[:-1]
-    if int(lengths.min()) < 0:
+    if len(cu) < 2 or cu[0] != 0 or cu[-1] != n:
+        raise ValueError(f"cu_seqlens must run from 0 to B*T={n}, got {cu[:8]}...")
+    lengths = [b - a for a, b in zip(cu, cu[1:])]
+    if min(lengths) < 0:
         raise ValueError("cu_seqlens must not decrease")
-    row_starts = torch.arange(0, n, seqlen)
-    if not bool(torch.isin(row_starts, cu).all()):
+    if not set(range(0, n, seqlen)) <= set(cu):
         raise ValueError("cu_seqlens must contain every row start (multiples of T): "
                          "documents may not cross rows of the batch")
-    return int(lengths.max())
+    return max(lengths)
 
 
 def pad_cu_seqlens(cu_list: list[torch.Tensor], total: int) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """End-to-end: the real launcher under torchrun on CPU (gloo), FSDP2, DCP checkpoints, resume.
 
 The runs are shared by the tests of this module (each costs seconds): A = 2 ranks straight to
-step 12; B = 2 ranks stopped at 8 then resumed by the same command; C = 1 rank straight.
+step 12; B = 2 ranks stopped at 8 then resumed by the same command; C = 1 rank straight, counting
+host synchronisations.
 Resuming on another world size and layout: `test_tensor_pipeline.py`.
 """
 
@@ -37,7 +38,7 @@ def runs(tmp_path_factory):
     out["B_first"] = losses(out["B"])
     pretrain(out["B"], *STEPS, nproc=2)  # the same command: resumes from step 8
     out["C"] = root / "C"
-    pretrain(out["C"], *STEPS, nproc=1)
+    pretrain(out["C"], *STEPS, "train.count_host_syncs=true", nproc=1)
     return out
 
 
@@ -86,3 +87,18 @@ def test_quantile_balancing_is_layout_independent(runs):
         assert not any(m.gate.qb_counts.any() for m in model.moe_layers())  # cleared each step
     assert biases["A"].abs().max() > 0  # QB has moved the biases
     torch.testing.assert_close(biases["A"], biases["C"], rtol=0, atol=1e-5)
+
+
+def test_host_syncs_per_step(runs):
+    """Inside the model's forward and backward nothing reads tensor data on the host. Outside
+    it, per step: the loader's boundaries validated on the host (one `tolist` per micro-batch),
+    the global token count and the loss (two `item`), the gradient norm (one `float`), and
+    PyTorch AdamW's per-parameter step counters, which its default (non-fused) implementation
+    keeps as CPU tensors (host reads on CUDA too, never a device sync)."""
+    from tests.helpers.tiny import tiny_model
+
+    n_params = sum(p.requires_grad for p in tiny_model().parameters())
+    for m in metrics(runs["C"]):
+        assert m["host_syncs_model"] == 0, m["host_syncs_by_op"]
+        assert m["host_syncs_by_op"] == ["Tensor.__float__=1", f"Tensor.item={2 + n_params}",
+                                         "Tensor.tolist=4"], m["host_syncs_by_op"]

@@ -109,3 +109,35 @@ def test_debug_model_overfits_a_fixed_batch():
         model.apply_quantile_balancing()
         losses.append(loss.item())
     assert losses[-1] < 0.1 * losses[0], losses[::5]
+
+
+def test_chunked_loss_backward_gemms_run_in_the_activation_dtype():
+    """bf16 activations: both backward GEMMs take bf16 operands (no per-chunk fp32 copy of the
+    head weight), the logits stay fp32, and the result matches an fp64 oracle to bf16 rounding."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class MatmulDtypes(TorchDispatchMode):
+        seen: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+                self.seen.append((args[-2].dtype, args[-1].dtype, tuple(args[-1].shape)))
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(0)
+    h64 = torch.randn(48, 32, dtype=torch.float64, generator=g)
+    w64 = torch.randn(96, 32, dtype=torch.float64, generator=g) * 0.3
+    y = torch.randint(0, 96, (48,), generator=g)
+    h = h64.to(torch.bfloat16).requires_grad_()
+    w = w64.to(torch.bfloat16).requires_grad_()
+    s, _ = chunked_cross_entropy(h, w, y, chunk_tokens=16)
+    with MatmulDtypes() as mode:
+        dh, dw = torch.autograd.grad(s, (h, w))
+    assert s.dtype == torch.float32 and len(mode.seen) == 9  # 3 chunks x (logits, dh, dw)
+    assert all(a == b == torch.bfloat16 for a, b, _ in mode.seen), mode.seen
+    ref_h, ref_w = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ref = F.cross_entropy(ref_h @ ref_w.T, y, reduction="sum")
+    torch.testing.assert_close(s.double(), ref, rtol=1e-3, atol=0)
+    for got, want in zip((dh, dw), torch.autograd.grad(ref, (ref_h, ref_w))):
+        assert got.dtype == torch.bfloat16
+        assert ((got.double() - want).norm() / want.norm()) < 1e-2
