@@ -36,7 +36,6 @@ def _save_list() -> set:
         if hasattr(ops, extra):
             names.append(getattr(ops, extra).default)
     import model.ops.attention  # noqa: F401  (registers the k3:: custom ops)
-
     import model.ops.grouped_gemm  # noqa: F401
     import model.ops.kda  # noqa: F401
 
