@@ -67,7 +67,8 @@ class KimiDeltaAttention(nn.Module):
         beta = torch.sigmoid(self.b_proj(x).to(g.dtype))  # [B, T, H]
         if packing.packed:  # varlen: one row of B*T tokens with per-document state resets
             o, _ = chunk_kda(*(t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, beta)),
-                             cu_seqlens=packing.cu_seqlens, chunk_size=self.chunk_size)
+                             cu_seqlens=packing.cu_seqlens, chunk_size=self.chunk_size,
+                             cu_seqlens_cpu=packing.cu_seqlens_cpu)
             o = o.view(B, T, H, D)
         else:
             o, _ = chunk_kda(q, k, v, g, beta, chunk_size=self.chunk_size)

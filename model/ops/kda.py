@@ -1,34 +1,53 @@
 """Kimi Delta Attention (KDA) operator: public op, backend dispatch and PyTorch references.
 
 What it is for (design doc §1.1, §1.5-1.7):
-* ``chunk_kda``: the op the model calls. On CUDA with ``fla`` importable it dispatches to
-  ``fla.ops.kda.chunk_kda`` (Triton, plain semantics: no in-kernel gate/L2-norm/sigmoid); everywhere
-  else (CPU CI, no Triton, or ``K3_KDA_BACKEND=torch``) it runs ``chunk_kda_reference``.
+* ``chunk_kda``: the op the model calls. On CUDA with ``fla`` importable (or whenever
+  ``model.ops.backends.force_cuda_backends()`` is active) it runs fla's ``chunk_kda`` (Triton,
+  plain semantics: no in-kernel gate/L2-norm/sigmoid) through the ``torch.library`` custom ops
+  ``k3::chunk_kda_fla`` / ``k3::chunk_kda_fla_bwd``: one opaque node each in fake-tensor traces
+  and torch.compile. Everywhere else (CPU CI, no Triton, or ``K3_KDA_BACKEND=torch``) it runs
+  ``chunk_kda_reference``.
 * ``chunk_kda_reference``: the chunkwise WY/UT-transform algorithm in pure PyTorch (float32, or
-  float64 for float64 inputs), differentiable by autograd, with a Python loop over chunks only.
+  float64 for float64 inputs), differentiable by autograd, with Python loops over chunks and
+  the log2(chunk) levels of its intra-chunk blocks only (static counts, never over tokens).
 * ``recurrent_kda``: the token-by-token recurrence; the test oracle and a simple decode path.
 
 Semantics (per head, state layout [K, V]): S' = Diag(exp(g_t)) S; u = beta_t (v_t - S'^T k_t);
 S = S' + k_t u^T; o_t = scale * S^T q_t. Inputs: q, k [B, T, H, K]; v [B, T, H, V];
 g [B, T, H, K] log-decay (<= 0, already activated); beta [B, T, H] (already in (0, 1)).
 Varlen: ``cu_seqlens`` [N+1] (FlashAttention convention, B == 1) packs N independent sequences along
-T; states are then per sequence, [N, H, K, V].
+T; states are then per sequence, [N, H, K, V]. Sequences may be empty, also at the end
+(``cu_seqlens`` padded with repeats of T); an empty sequence's final state is its initial state
+(zeros without one). ``cu_seqlens`` is not validated here (that would read it on the host): the
+caller checks its host copy (``model.packing.check_cu_seqlens``).
+
+No host synchronisation: nothing here reads tensor data on the host or makes a shape depend on
+it (the reference traces under ``FakeTensorMode``). Varlen uses a document-aligned chunk layout:
+every document starts a fresh chunk, the chunks of all documents follow one another in one row
+of a static number of chunks, floor((T + min(N, T) (C - 1)) / C) >= sum_i ceil(len_i / C), and
+the inter-chunk state is reset (multiplied by 0, plus the document's initial state) at chunks
+where a document starts. The intra-chunk scores are exact for any decay strength (see
+``_intra_scores``), with no data-dependent choice of formula.
 
 What it deliberately does NOT do: gate activation (A_log/dt_bias), q/k L2-norm, beta sigmoid
 (callers do these; fla's ``use_*_in_kernel`` flags are never set), GVA (H_v != H), the V-first
 state layout, safe_gate/lower_bound, context parallelism, or a hand-written backward. The reference
-is not a fast kernel: its intra-chunk part materialises [B, H, T, C, K] tensors (C = chunk size).
+is not a fast kernel.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import inspect
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
+
+from model.ops.backends import cuda_backends_forced
 
 Tensor = torch.Tensor
 KDAOut = tuple[Tensor, Tensor | None]
@@ -47,12 +66,49 @@ def _load_fla() -> Callable[..., KDAOut] | None:
     return fla_chunk_kda
 
 
+def _fla_version() -> tuple[int, ...]:
+    """Installed fla version as a tuple of ints ((0,) if unknown)."""
+    try:
+        import fla
+
+        return tuple(int(p) for p in str(fla.__version__).split(".")[:3] if p.isdigit())
+    except Exception:
+        return (0,)
+
+
+# fla's chunk_kda (fla/ops/kda/chunk.py; fla-core / flash-linear-attention on PyPI):
+#   0.4.0            (q, k, v, g, beta, scale, initial_state, output_final_state,
+#                     use_qk_l2norm_in_kernel, cu_seqlens, **kwargs); chunk size fixed at 64
+#   0.4.1            adds use_gate_in_kernel, chunk_indices
+#   0.4.2, 0.5.0     add cu_seqlens_cpu (host copy: chunk indices without a device read)
+#   0.5.1, 0.5.2     chunk_size read from **kwargs (kwargs.pop("chunk_size", 64), only 32 or 64)
+#   0.6.0            same, plus use_graph / max_num_seqs (fixed-shape on-device chunk list)
+# cu_seqlens: [N+1] integer (we pass int32), B == 1; initial_state must be float32.
+# inspect.signature shows cu_seqlens_cpu as a named parameter; chunk_size hides in **kwargs, so it
+# needs the version (before 0.5.1 **kwargs swallowed it silently and the kernels used 64).
+_FLA_CHUNK_SIZES = (32, 64)
+
+
+@functools.cache
+def _fla_accepts(fla_fn: Callable[..., object]) -> frozenset[str]:
+    """Which of the optional arguments "chunk_size", "cu_seqlens_cpu" fla_fn takes."""
+    params = inspect.signature(fla_fn).parameters
+    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    names = {n for n in ("chunk_size", "cu_seqlens_cpu") if n in params}
+    if "chunk_size" not in names and var_kw and _fla_version() >= (0, 5, 1):
+        names.add("chunk_size")
+    return frozenset(names)
+
+
 def kda_backend(device: torch.device | str) -> str:
     """Backend chunk_kda uses for tensors on ``device``: "fla" or "torch".
 
-    ``K3_KDA_BACKEND``: "auto" (default: fla on CUDA when importable), "torch" (always the
-    reference) or "fla" (require fla; raises if it cannot be used on ``device``).
+    Inside ``force_cuda_backends()``: "fla", with no import or device check (fake-tensor traces
+    of the CUDA op graph). ``K3_KDA_BACKEND``: "auto" (default: fla on CUDA when importable),
+    "torch" (always the reference) or "fla" (require fla; raises if unusable on ``device``).
     """
+    if cuda_backends_forced():
+        return "fla"
     mode = os.environ.get("K3_KDA_BACKEND", "auto").strip().lower() or "auto"
     if mode == "torch":
         return "torch"
@@ -75,23 +131,180 @@ def chunk_kda(
     output_final_state: bool = False,
     cu_seqlens: Tensor | None = None,
     chunk_size: int = 64,
+    cu_seqlens_cpu: Tensor | None = None,
 ) -> KDAOut:
     """Public KDA op (fla-compatible plain semantics).
 
-    Returns (o [B, T, H, V] in v's dtype, final_state [N, H, K, V] fp32 or None).
-    `chunk_size` applies to the PyTorch reference only (fla picks its own tiling).
+    Returns (o [B, T, H, V] in v's dtype, final_state [N, H, K, V] fp32 (fp64 for fp64 inputs
+    on the reference) or None). ``chunk_size``: the reference's chunk; fla gets it where it
+    takes one (>= 0.5.1, 32 or 64 only; otherwise fla tiles by 64: the result is the same up to
+    rounding). ``cu_seqlens_cpu``: optional host copy of ``cu_seqlens`` for fla (>= 0.4.2), so it
+    builds its chunk indices without reading the device tensor; the reference ignores it.
     """
     if kda_backend(q.device) == "fla":
-        fla_chunk_kda = _load_fla()
-        assert fla_chunk_kda is not None
-        return fla_chunk_kda(
-            q, k, v, g, beta, scale=scale, initial_state=initial_state,
-            output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-        )
+        return _chunk_kda_fla(q, k, v, g, beta, scale, initial_state, output_final_state,
+                              cu_seqlens, chunk_size, cu_seqlens_cpu)
     return chunk_kda_reference(
         q, k, v, g, beta, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
     )
+
+
+# ----------------------------------------------------------------------------- fla custom ops
+def _chunk_kda_fla(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None,
+    initial_state: Tensor | None, output_final_state: bool, cu_seqlens: Tensor | None,
+    chunk_size: int, cu_seqlens_cpu: Tensor | None,
+) -> KDAOut:
+    """fla's chunk_kda through ``k3::chunk_kda_fla``: shapes checked here, no data read."""
+    B, T, H, K = q.shape
+    if cu_seqlens is not None:
+        if B != 1 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise ValueError("cu_seqlens needs B == 1 and shape [N+1] with N >= 1")
+        cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32)
+        if cu_seqlens_cpu is not None and cu_seqlens_cpu.device.type != "cpu":
+            raise ValueError(f"cu_seqlens_cpu must be a host tensor, got {cu_seqlens_cpu.device}")
+    else:
+        cu_seqlens_cpu = None
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    h0 = None
+    if initial_state is not None:
+        if initial_state.shape != (N, H, K, v.shape[-1]):
+            raise ValueError(f"initial_state must be {(N, H, K, v.shape[-1])}, "
+                             f"got {tuple(initial_state.shape)}")
+        h0 = initial_state.to(torch.float32)  # fla requires fp32 states
+    scale = K**-0.5 if scale is None else float(scale)
+    o, ht = _fla_fwd_op(q, k, v, g, beta, h0, cu_seqlens, cu_seqlens_cpu, scale,
+                        bool(output_final_state), int(chunk_size))
+    return o, (ht if output_final_state else None)
+
+
+def _call_fla(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0: Tensor | None,
+    cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None, scale: float,
+    output_final_state: bool, chunk_size: int,
+) -> tuple[Tensor, Tensor | None]:
+    fla_fn = _load_fla()
+    if fla_fn is None:
+        raise RuntimeError("k3::chunk_kda_fla needs fla (fla-core) and Triton on a CUDA device")
+    accepts = _fla_accepts(fla_fn)
+    kwargs: dict[str, object] = {}
+    if "chunk_size" in accepts and chunk_size in _FLA_CHUNK_SIZES:
+        kwargs["chunk_size"] = chunk_size
+    if "cu_seqlens_cpu" in accepts and cu_seqlens_cpu is not None:
+        kwargs["cu_seqlens_cpu"] = cu_seqlens_cpu
+    o, ht = fla_fn(q, k, v, g, beta, scale=scale, initial_state=h0,
+                   output_final_state=output_final_state, cu_seqlens=cu_seqlens, **kwargs)
+    return o, ht
+
+
+def _state_shape(q: Tensor, v: Tensor, cu_seqlens: Tensor | None,
+                 output_final_state: bool) -> tuple[int, ...]:
+    if not output_final_state:
+        return (0,)
+    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return (N, q.shape[2], q.shape[3], v.shape[3])
+
+
+@torch.library.custom_op("k3::chunk_kda_fla", mutates_args=())
+def _fla_fwd_op(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0: Tensor | None,
+    cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None, scale: float,
+    output_final_state: bool, chunk_size: int,
+) -> tuple[Tensor, Tensor]:
+    """fla chunk_kda forward: (o in v's dtype, final state fp32 [N, H, K, V], or [0] if not
+    requested). The real implementation imports fla lazily (this op exists on every machine)."""
+    with torch.no_grad():
+        o, ht = _call_fla(q, k, v, g, beta, h0, cu_seqlens, cu_seqlens_cpu, scale,
+                          output_final_state, chunk_size)
+    if ht is None or not output_final_state:
+        ht = q.new_empty(0, dtype=torch.float32)
+    return o.to(v.dtype), ht.to(torch.float32)
+
+
+@_fla_fwd_op.register_fake
+def _(q, k, v, g, beta, h0, cu_seqlens, cu_seqlens_cpu, scale, output_final_state, chunk_size):
+    return (v.new_empty(v.shape),
+            q.new_empty(_state_shape(q, v, cu_seqlens, output_final_state), dtype=torch.float32))
+
+
+def _autograd_keys() -> torch._C.DispatchKeySet:
+    """The dispatch keys a custom op's implementation runs without: c10's
+    autograd_dispatch_keyset, the set torch._C._AutoDispatchBelowAutograd excludes."""
+    key, keyset = torch._C.DispatchKey, torch._C.DispatchKeySet
+    return (keyset(key.AutogradFunctionality) | keyset(key.AutogradOther)
+            | keyset(key.AutogradNestedTensor))
+
+
+@contextlib.contextmanager
+def _autograd_inside_custom_op() -> Iterator[None]:
+    """Record autograd graphs inside a custom op's implementation.
+
+    The dispatcher runs a custom op's kernel with the autograd keys excluded (so torch ops
+    inside build no graph even under enable_grad); this re-includes only those keys. Private
+    torch API (torch._C._ForceDispatchKeyGuard, DispatchKeySet), present since torch 2.1;
+    test_fla_custom_ops_call_fla_by_its_contract fails if it stops working."""
+    exclude = torch._C._dispatch_tls_local_exclude_set() - _autograd_keys()
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude):
+        with torch.enable_grad():
+            yield
+
+
+@torch.library.custom_op("k3::chunk_kda_fla_bwd", mutates_args=())
+def _fla_bwd_op(
+    do: Tensor, dht: Tensor | None, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+    h0: Tensor | None, cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None, scale: float,
+    output_final_state: bool, chunk_size: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients (dq, dk, dv, dg, dbeta, dh0 or [0]) of k3::chunk_kda_fla.
+
+    Re-runs fla's own autograd chunk_kda on detached inputs and calls torch.autograd.grad: it
+    relies on fla's public function only, not on its private fwd/bwd signatures (which changed
+    across 0.4-0.6). Cost: one extra fla forward per backward (not yet timed on a GPU), and
+    the activations fla saves live only during this op; the custom op saves just its inputs.
+    No double backward."""
+    with _autograd_inside_custom_op():
+        xs = [x.detach().requires_grad_() for x in (q, k, v, g, beta)]
+        s0 = None if h0 is None else h0.detach().requires_grad_()
+        o, ht = _call_fla(*xs, s0, cu_seqlens, cu_seqlens_cpu, scale, output_final_state,
+                          chunk_size)
+        outs, grads = [o], [do.to(o.dtype)]
+        if output_final_state and dht is not None and ht is not None:
+            outs.append(ht)
+            grads.append(dht.to(ht.dtype))
+        leaves = xs + ([] if s0 is None else [s0])
+        got = torch.autograd.grad(outs, leaves, grads, allow_unused=True)
+    res = [torch.zeros_like(x) if d is None else d.to(x.dtype) for x, d in zip(leaves, got)]
+    if s0 is None:
+        res.append(q.new_empty(0, dtype=torch.float32))
+    inputs = (do, dht, q, k, v, g, beta, h0)  # outputs of a custom op may not alias its inputs
+    return tuple(r.clone() if any(r is x for x in inputs) else r for r in res)  # type: ignore
+
+
+@_fla_bwd_op.register_fake
+def _(do, dht, q, k, v, g, beta, h0, cu_seqlens, cu_seqlens_cpu, scale, output_final_state,
+      chunk_size):
+    dh0 = q.new_empty(0, dtype=torch.float32) if h0 is None else torch.empty_like(h0)
+    return (*(torch.empty_like(x) for x in (q, k, v, g, beta)), dh0)
+
+
+def _fla_setup_context(ctx, inputs, output) -> None:
+    q, k, v, g, beta, h0, cu_seqlens, cu_seqlens_cpu, scale, output_final_state, chunk_size = (
+        inputs)
+    ctx.save_for_backward(q, k, v, g, beta, h0, cu_seqlens, cu_seqlens_cpu)
+    ctx.opts = (scale, output_final_state, chunk_size)
+
+
+def _fla_backward(ctx, do: Tensor, dht: Tensor):
+    q, k, v, g, beta, h0, cu_seqlens, cu_seqlens_cpu = ctx.saved_tensors
+    scale, output_final_state, chunk_size = ctx.opts
+    grads = _fla_bwd_op(do, dht if output_final_state else None, q, k, v, g, beta, h0,
+                        cu_seqlens, cu_seqlens_cpu, scale, output_final_state, chunk_size)
+    dh0 = None if h0 is None else grads[5]
+    return (*grads[:5], dh0, None, None, None, None, None)
+
+
+_fla_fwd_op.register_autograd(_fla_backward, setup_context=_fla_setup_context)
 
 
 # ----------------------------------------------------------------------------- shared helpers
@@ -99,7 +312,7 @@ def _prepare(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None,
     initial_state: Tensor | None, cu_seqlens: Tensor | None,
 ) -> tuple[list[Tensor], float, Tensor | None]:
-    """Validate shapes, pick the compute dtype and cast everything to it."""
+    """Validate shapes (never data), pick the compute dtype and cast everything to it."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     if k.shape != q.shape or g.shape != q.shape:
@@ -107,8 +320,9 @@ def _prepare(
     if v.shape[:3] != (B, T, H) or beta.shape != (B, T, H):
         raise ValueError(f"bad v {tuple(v.shape)} / beta {tuple(beta.shape)} for q {q.shape}")
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    if cu_seqlens is not None and (B != 1 or N < 1):
-        raise ValueError("cu_seqlens needs B == 1 and at least one sequence")
+    if cu_seqlens is not None and (B != 1 or N < 1 or cu_seqlens.dim() != 1
+                                   or cu_seqlens.dtype.is_floating_point):
+        raise ValueError("cu_seqlens needs B == 1 and an integer shape [N+1] with N >= 1")
     if initial_state is not None and initial_state.shape != (N, H, K, V):
         raise ValueError(f"initial_state must be {(N, H, K, V)}, got {tuple(initial_state.shape)}")
     xs = [q, k, v, g, beta] + ([] if initial_state is None else [initial_state])
@@ -118,53 +332,58 @@ def _prepare(
     return [x.to(dtype) for x in (q, k, v, g, beta)], scale, s0
 
 
-def _varlen_index(cu_seqlens: Tensor, T: int, multiple: int) -> tuple[Tensor, Tensor, int, int]:
-    """Token -> (sequence, position) maps for scattering packed tokens into a padded batch."""
-    cu = cu_seqlens.to(torch.long)
-    lengths = cu[1:] - cu[:-1]  # [N]
-    first, last, min_len, max_len = torch.stack(
-        [cu[0], cu[-1], lengths.min(), lengths.max()]).tolist()  # one host sync
-    if first != 0 or last != T or min_len < 0:
-        raise ValueError(f"cu_seqlens must rise from 0 to T={T}, got {cu_seqlens.tolist()}")
-    seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu.device), lengths,
-                                  output_size=T)  # [T] sequence id of each token
-    pos = torch.arange(T, device=cu.device) - cu[seq]  # [T] position inside its sequence
-    t_pad = max(1, math.ceil(max_len / multiple)) * multiple
-    return seq, pos, t_pad, lengths.numel()
+def _doc_ids(cu: Tensor, T: int) -> tuple[Tensor, Tensor]:
+    """(doc [T] document of each token, pos [T] its position in the document); cu long [N+1]."""
+    tok = torch.arange(T, device=cu.device)
+    doc = torch.searchsorted(cu[1:], tok, right=True)  # skips empty documents
+    return doc, tok - cu.index_select(0, doc)
 
 
-def _run_varlen(
-    fn: Callable[..., tuple[Tensor, Tensor]], xs: list[Tensor], s0: Tensor | None,
-    cu_seqlens: Tensor, multiple: int,
-) -> tuple[Tensor, Tensor]:
-    """Run ``fn`` on a right-padded batch [N, T_pad, ...]; padding (all zeros) is an exact no-op."""
-    T = xs[0].shape[1]
-    seq, pos, t_pad, N = _varlen_index(cu_seqlens.to(xs[0].device), T, multiple)
-
-    def scatter(x: Tensor) -> Tensor:
-        out = x.new_zeros(N, t_pad, *x.shape[2:])  # [N, T_pad, H, ...]
-        out[seq, pos] = x[0]  # x[0]: [T, H, ...]
-        return out
-
-    o_pad, s_final = fn(*[scatter(x) for x in xs], s0)  # o_pad [N, T_pad, H, V]
-    return o_pad[seq, pos].unsqueeze(0), s_final  # [1, T, H, V], [N, H, K, V]
+def _final_states(ends: Tensor, idx: Tensor, empty: Tensor, s0: Tensor | None) -> Tensor:
+    """Per-document final states [N, H, K, V]: ends[idx] ([M, H, K, V] stack of states), or the
+    initial state (zeros) where the document is empty."""
+    keep = s0 if s0 is not None else ends.new_zeros(idx.shape[0], *ends.shape[1:])
+    if ends.shape[0] == 0:  # T == 0: every document is empty
+        return keep
+    got = ends.index_select(0, idx)
+    return torch.where(empty.view(-1, 1, 1, 1), keep, got)
 
 
 # ----------------------------------------------------------------------------- recurrence
 def _recurrent_fwd(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, s0: Tensor | None, scale: float,
+    cu: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
+    """Token loop. Varlen (cu long [N+1], B == 1): the state restarts from s0[doc] (or zeros)
+    at each document's first token, and the final states are read at each document's end."""
     B, T, H, K = q.shape
-    S = q.new_zeros(B, H, K, v.shape[-1]) if s0 is None else s0  # [B, H, K, V]
-    outs = []
+    V = v.shape[-1]
+    if cu is None:
+        S = q.new_zeros(B, H, K, V) if s0 is None else s0  # [B, H, K, V]
+    else:
+        S = q.new_zeros(1, H, K, V)
+        doc, pos = _doc_ids(cu, T)
+        start = (pos == 0).to(q.dtype)  # [T] 1.0 at a document's first token
+    outs, states = [], []
+    q_t, k_t, v_t, g_t, b_t = (x.unbind(1) for x in (q, k, v, g, beta))  # one unbind each
     for t in range(T):
-        S = S * g[:, t].exp().unsqueeze(-1)  # S' = Diag(exp(g_t)) S
-        pred = torch.einsum("bhk,bhkv->bhv", k[:, t], S)  # S'^T k_t
-        u = beta[:, t].unsqueeze(-1) * (v[:, t] - pred)  # [B, H, V]
-        S = S + k[:, t].unsqueeze(-1) * u.unsqueeze(-2)  # S' + k_t u^T
-        outs.append(scale * torch.einsum("bhk,bhkv->bhv", q[:, t], S))
-    o = torch.stack(outs, dim=1) if outs else v.new_zeros(B, 0, H, v.shape[-1])  # [B, T, H, V]
-    return o, S  # S: [B, H, K, V]
+        if cu is not None:
+            S = S * (1.0 - start[t])
+            if s0 is not None:
+                S = S + start[t] * s0.index_select(0, doc[t : t + 1])
+        S = S * g_t[t].exp().unsqueeze(-1)  # S' = Diag(exp(g_t)) S
+        pred = torch.einsum("bhk,bhkv->bhv", k_t[t], S)  # S'^T k_t
+        u = b_t[t].unsqueeze(-1) * (v_t[t] - pred)  # [B, H, V]
+        S = S + k_t[t].unsqueeze(-1) * u.unsqueeze(-2)  # S' + k_t u^T
+        outs.append(scale * torch.einsum("bhk,bhkv->bhv", q_t[t], S))
+        if cu is not None:
+            states.append(S[0])
+    o = torch.stack(outs, dim=1) if outs else v.new_zeros(B, 0, H, V)  # [B, T, H, V]
+    if cu is None:
+        return o, S  # S: [B, H, K, V]
+    ends = torch.stack(states) if states else q.new_zeros(0, H, K, V)  # [T, H, K, V]
+    empty = cu[1:] == cu[:-1]
+    return o, _final_states(ends, (cu[1:] - 1).clamp(min=0), empty, s0)
 
 
 def recurrent_kda(
@@ -180,109 +399,187 @@ def recurrent_kda(
 ) -> KDAOut:
     """Token-by-token KDA recurrence (oracle / decode). Same contract as ``chunk_kda``."""
     xs, scale, s0 = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens)
-    fn = functools.partial(_recurrent_fwd, scale=scale)
-    if cu_seqlens is None:
-        o, S = fn(*xs, s0)
-    else:
-        o, S = _run_varlen(fn, xs, s0, cu_seqlens, multiple=1)
+    cu = None if cu_seqlens is None else cu_seqlens.to(device=q.device, dtype=torch.long)
+    o, S = _recurrent_fwd(*xs, s0, scale, cu)
     return o.to(v.dtype), (S if output_final_state else None)
 
 
 # ------------------------------------------------------------------------ chunked (UT transform)
-_INTRA_BUDGET = 1 << 21  # elements per [.., C, C, K] temporary (8 MiB fp32), see _intra_scores
-# Largest in-chunk decay span (nats) for which the factored matmul form is used: both factors stay
-# within exp(+-span/2), far inside the float range (fp32 max ~ e^88). K3's lower-bounded gate
-# (g >= -5) with 16-token chunks always qualifies, the same argument as fla's safe-gate kernels.
-_FACTOR_SPAN = {torch.float32: 60.0, torch.float64: 600.0}
+_INTRA_BUDGET = 1 << 20  # elements per [.., C, K] temporary of one chunk group (4 MiB fp32)
+_SMALL_BLOCK = 1  # half-block sizes up to this use a broadcast product, larger ones matmul
 
 
-def _intra_scores_factored(q: Tensor, k: Tensor, G: Tensor) -> Tensor:
-    """Same result as `_intra_scores`, via exp(G_r - G_i) = exp(G_r - c) exp(c - G_i).
+def _intra_group(q: Tensor, k: Tensor, G: Tensor) -> Tensor:
+    """Scores of one group of chunks, inputs [B, H, n, Cp, K] (Cp a power of two).
 
-    c is the middle of each chunk's decay range, so every factor is at most exp(span / 2): two
-    [C, K] x [K, C] matmuls per chunk instead of a [C, C, K] broadcast.
-    """
-    c = 0.5 * (G[..., :1, :] + G[..., -1:, :])  # [B, H, n, 1, K]
-    k_inv = k * (c - G).exp()  # [B, H, n, C(i), K]
-    rows = torch.stack([k, q], dim=2) * (G - c).exp().unsqueeze(2)  # [B, H, 2, n, C(r), K]
-    return (rows @ k_inv.unsqueeze(2).transpose(-1, -2)).movedim(2, -1)  # [B, H, n, C, C, 2]
+    Returns [B, H, 2, n, Cp(r), Cp(i)]: (<k_r, exp(G_r - G_i) k_i>, <q_r, exp(G_r - G_i) k_i>)
+    for i <= r, 0 above the diagonal. Dyadic blocks, built bottom-up: a block of 2h tokens is
+    [[first half, 0], [cross, second half]], where cross (rows r in the second half, columns i
+    in the first) factors exp(G_r - G_i) = exp(G_r - G_s) exp(G_s - G_i) around G_s, the
+    cumulative decay at the first half's last token. G never increases (g <= 0), so both
+    factors are <= 1 for any decay: no overflow, no data-dependent choice, and every pair
+    i < r is covered exactly once (i == r needs no decay)."""
+    B, H, n, Cp, K = q.shape
+    # Clamp exponents at log(tiny)/3: no slow x86 subnormals in a factor or a product of two
+    # (absolute error < 3e-13 in fp32, 1e-102 in fp64; clamp passes no gradient there).
+    floor = math.log(torch.finfo(G.dtype).tiny) / 3.0
+    X = torch.stack([k, q], dim=-2)  # [B, H, n, Cp, 2, K]: k and q rows side by side
+    M = (X * k.unsqueeze(-2)).sum(-1)[..., None, :, None]  # [B, H, n, Cp, 1, 2, 1]: i == r
+    h = 1
+    while h < Cp:
+        nb = Cp // (2 * h)
+        Gv = G.unflatten(-2, (nb, 2, h))  # [B, H, n, nb, 2, h, K]
+        G_s = Gv[..., 0, h - 1 :, :]  # [B, H, n, nb, 1, K]
+        k_col = k.unflatten(-2, (nb, 2, h))[..., 0, :, :] * (
+            G_s - Gv[..., 0, :, :]).clamp(min=floor).exp()  # [B, H, n, nb, h(i), K]
+        x_row = X.unflatten(-3, (nb, 2, h))[..., 1, :, :, :] * (
+            Gv[..., 1, :, :] - G_s).clamp(min=floor).exp().unsqueeze(-2)  # [.., nb, h, 2, K]
+        if h <= _SMALL_BLOCK:  # tiny matrices: a broadcast product beats batched matmul
+            cross = (x_row.unsqueeze(-2) * k_col[..., None, None, :, :]).sum(-1)
+        else:
+            cross = (x_row.flatten(-3, -2) @ k_col.transpose(-1, -2)).unflatten(-2, (h, 2))
+        # cross: [B, H, n, nb, h(r), 2, h(i)]
+        pairs = M.unflatten(3, (nb, 2))  # [B, H, n, nb, 2, h, 2, h]
+        first, second = pairs[:, :, :, :, 0], pairs[:, :, :, :, 1]
+        top = torch.cat([first, torch.zeros_like(first)], dim=-1)
+        M = torch.cat([top, torch.cat([cross, second], dim=-1)], dim=-3)  # [.., nb, 2h, 2, 2h]
+        h *= 2
+    return M.squeeze(3).movedim(-2, 2)  # [B, H, 2, n, Cp, Cp]
 
 
-def _intra_scores(q: Tensor, k: Tensor, G: Tensor, causal: Tensor) -> Tensor:
-    """[.., r, i, :] = (<k_r, exp(G_r - G_i) k_i>, <q_r, exp(G_r - G_i) k_i>) for i <= r, else 0.
+def _intra_scores(q: Tensor, k: Tensor, G: Tensor) -> tuple[Tensor, Tensor]:
+    """(S_kk, S_qk) [B, H, NC, C(r), C(i)]: <x_r, exp(G_r - G_i) k_i> (x = k, q) for i <= r, else 0.
 
-    Inputs [B, H, n, C, K]. The [B, H, n, C, C, K] temporaries are kept small by the caller (a few
-    MiB): fresh large CPU allocations cost more in page faults than the arithmetic itself.
-    """
-    diff = G.unsqueeze(-2) - G.unsqueeze(-3)  # [B, H, n, C(r), C(i), K] = G_r - G_i
-    # Clamp to [log(sqrt(tiny)), 0] before exp: no overflow above the diagonal (G_r - G_i > 0
-    # there; those scores are zeroed below, and clamp passes them no gradient) and no slow x86
-    # subnormals below (error < 1e-19). Cheaper than exp of a -inf mask.
-    floor = 0.5 * math.log(torch.finfo(G.dtype).tiny)
-    decay = diff.clamp(min=floor, max=0.0).exp()
-    kdec = decay * k.unsqueeze(-3)  # [B, H, n, C(r), C(i), K] = exp(G_r - G_i) * k_i
-    scores = kdec @ torch.stack([k, q], dim=-1)  # [B, H, n, C(r), C(i), 2]
-    return scores * causal.unsqueeze(-1).to(scores.dtype)  # keep i <= r only
+    Inputs [B, H, NC, C, K]; G is the in-chunk cumulative log-decay. Exact for any decay
+    strength with one formula (`_intra_group`: dyadic blocks, every decay factor <= 1). C is
+    padded to a power of two with no-op tokens (zero scores, sliced off). Chunks go in groups
+    whose temporaries stay within _INTRA_BUDGET elements (fresh large CPU allocations cost
+    more in page faults than the arithmetic)."""
+    B, H, NC, C, K = q.shape
+    Cp = 1 << (C - 1).bit_length()
+    if Cp != C:  # padding tokens: q = k = 0 and no decay (G stays at the chunk's last value)
+        q, k = (F.pad(x, (0, 0, 0, Cp - C)) for x in (q, k))
+        G = torch.cat([G, G[..., -1:, :].expand(*G.shape[:-2], Cp - C, K)], dim=-2)
+    step = max(1, _INTRA_BUDGET // (B * H * Cp * max(K, Cp)))  # chunks per group
+    parts = [_intra_group(q[:, :, s : s + step], k[:, :, s : s + step], G[:, :, s : s + step])
+             for s in range(0, NC, step)]
+    A = torch.cat(parts, dim=3) if len(parts) > 1 else parts[0]  # [B, H, 2, NC, Cp, Cp]
+    if Cp != C:
+        A = A[..., :C, :C]
+    return A[:, :, 0], A[:, :, 1]
 
 
 def _chunk_fwd(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, s0: Tensor | None, scale: float,
-    chunk_size: int,
-) -> tuple[Tensor, Tensor]:
-    """Chunked KDA on a dense batch; T is padded to a multiple of chunk_size with no-op tokens."""
-    B, T, H, K = q.shape
-    V, C = v.shape[-1], chunk_size
-    NT = max(1, math.ceil(T / C))
-    pad = NT * C - T
-    if pad:  # g=k=v=q=beta=0 tokens leave the state unchanged and are sliced off below
-        q, k, v, g = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, g))
-        beta = F.pad(beta, (0, 0, 0, pad))
+    start: Tensor | None = None, chunk_doc: Tensor | None = None, keep_ends: bool = False,
+) -> tuple[Tensor, Tensor | None, Tensor]:
+    """Chunked KDA on the chunk layout: q, k, g [B, H, NC, C, K], v [B, H, NC, C, V],
+    beta [B, H, NC, C, 1]; padding tokens are all zeros (exact no-ops).
 
-    def chunks(x: Tensor) -> Tensor:  # [B, NT*C, H, D] -> [B, H, NT, C, D]
-        return x.reshape(B, NT, C, H, x.shape[-1]).permute(0, 3, 1, 2, 4)
+    Dense (start None): row b starts from s0[b]. Document-aligned (start [NC], 1.0 at a chunk
+    where a document begins, chunk_doc [NC] its document, B == 1): the state entering such a
+    chunk is s0[chunk_doc] (zeros without s0). Returns (o [B, H, NC, C, V], ends: with
+    keep_ends, the states before each chunk's reset and after the last chunk [NC+1, H, K, V],
+    else None; S the state after the last chunk [B, H, K, V])."""
+    B, H, NC, C, K = q.shape
+    V = v.shape[-1]
+    G = g.cumsum(dim=-2)  # [B, H, NC, C, K] in-chunk cumulative log-decay
 
-    q, k, v, g = (chunks(x) for x in (q, k, v, g))
-    b = chunks(beta.unsqueeze(-1))  # [B, H, NT, C, 1]
-    G = g.cumsum(dim=-2)  # [B, H, NT, C, K] in-chunk cumulative log-decay
-
-    # Intra-chunk part, all chunks at once. exp(G_r - G_i) is only used where i <= r; the upper
-    # triangle (G_r - G_i > 0, could overflow) is clamped to 0 before exp and zeroed after.
-    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()  # [C(r), C(i)]
-    span = float((G[..., 0, :] - G[..., -1, :]).detach().max()) if G.numel() else 0.0  # host sync
-    if span <= _FACTOR_SPAN.get(G.dtype, 0.0):
-        A = _intra_scores_factored(q, k, G) * causal.unsqueeze(-1).to(G.dtype)
-    else:  # strong decays (e.g. the unbounded softplus gate): the exact broadcast form
-        step = max(1, _INTRA_BUDGET // (B * H * C * C * K))  # chunks per [.., C, C, K] temporary
-        A = torch.cat([_intra_scores(q[:, :, s : s + step], k[:, :, s : s + step],
-                                     G[:, :, s : s + step], causal)
-                       for s in range(0, NT, step)], dim=2)  # [B, H, NT, C(r), C(i), 2]
-    A_kk = b * A[..., 0].tril(-1)  # [B, H, NT, C, C] strictly lower, row r scaled by beta_r
-    A_qk = A[..., 1]  # [B, H, NT, C, C] lower incl. diagonal (upper already zero)
+    S_kk, A_qk = _intra_scores(q, k, G)  # [B, H, NC, C, C] lower triangles
+    A_kk = beta * S_kk.tril(-1)  # strictly lower, row r scaled by beta_r
 
     # UT transform: (I + A_kk) [W | U] = [beta exp(G) K | beta V], one unit-lower-triangular solve.
     eye = torch.eye(C, dtype=q.dtype, device=q.device)
-    rhs = torch.cat([b * G.exp() * k, b * v], dim=-1)  # [B, H, NT, C, K + V]
+    rhs = torch.cat([beta * G.exp() * k, beta * v], dim=-1)  # [B, H, NC, C, K + V]
     WU = torch.linalg.solve_triangular(eye + A_kk, rhs, upper=False, unitriangular=True)
-    W, U = WU.split([K, V], dim=-1)  # [B, H, NT, C, K], [B, H, NT, C, V]
+    W, U = WU.split([K, V], dim=-1)  # [B, H, NC, C, K], [B, H, NC, C, V]
 
-    G_last = G[..., -1:, :]  # [B, H, NT, 1, K]
-    k_to_end = k * (G_last - G).exp()  # [B, H, NT, C, K] = K * exp(G_C - G)
-    a_end = G_last.squeeze(-2).exp().unsqueeze(-1)  # [B, H, NT, K, 1] = exp(G_C)
+    G_last = G[..., -1:, :]  # [B, H, NC, 1, K]
+    k_to_end = k * (G_last - G).exp()  # [B, H, NC, C, K] = K * exp(G_C - G)
+    a_end = G_last.squeeze(-2).exp().unsqueeze(-1)  # [B, H, NC, K, 1] = exp(G_C)
 
-    # Inter-chunk recurrence: the only Python loop.
-    S = q.new_zeros(B, H, K, V) if s0 is None else s0  # [B, H, K, V]
-    states, v_news = [], []
-    for n in range(NT):
-        v_new = U[:, :, n] - W[:, :, n] @ S  # [B, H, C, V] pseudo-values
+    # Inter-chunk recurrence: a Python loop over the (static) chunk count. Per-chunk operands
+    # come from one unbind each (a select per chunk would cost a full-size zero fill per chunk
+    # in backward: quadratic in the chunk count).
+    U_n, W_n, a_n = U.unbind(2), W.unbind(2), a_end.unbind(2)
+    kt_n = k_to_end.transpose(-1, -2).unbind(2)  # [B, H, K, C] each
+    if start is None:
+        S = q.new_zeros(B, H, K, V) if s0 is None else s0  # [B, H, K, V]
+    else:
+        S = q.new_zeros(1, H, K, V)
+        keep_n = (1.0 - start).unbind(0)
+        if s0 is not None:  # the state entering a document's first chunk: its initial state
+            init_n = (s0.index_select(0, chunk_doc) * start.view(-1, 1, 1, 1)).unbind(0)
+    ends, states, v_news = [], [], []
+    for n in range(NC):
+        if start is not None:
+            if keep_ends:
+                ends.append(S[0])
+            S = S * keep_n[n]  # reset where a document starts
+            if s0 is not None:
+                S = S + init_n[n]
+        v_new = U_n[n] - W_n[n] @ S  # [B, H, C, V] pseudo-values
         states.append(S)
         v_news.append(v_new)
-        S = a_end[:, :, n] * S + k_to_end[:, :, n].transpose(-1, -2) @ v_new
-    S_in = torch.stack(states, dim=2)  # [B, H, NT, K, V] state entering each chunk
-    V_new = torch.stack(v_news, dim=2)  # [B, H, NT, C, V]
+        S = a_n[n] * S + kt_n[n] @ v_new
+    S_in = torch.stack(states, dim=2)  # [B, H, NC, K, V] state entering each chunk
+    V_new = torch.stack(v_news, dim=2)  # [B, H, NC, C, V]
+    o = scale * ((q * G.exp()) @ S_in + A_qk @ V_new)  # [B, H, NC, C, V]
+    return o, (torch.stack([*ends, S[0]]) if keep_ends else None), S
 
-    o = scale * ((q * G.exp()) @ S_in + A_qk @ V_new)  # [B, H, NT, C, V]
-    o = o.permute(0, 2, 3, 1, 4).reshape(B, NT * C, H, V)[:, :T]  # [B, T, H, V]
-    return o, S
+
+def _dense_chunks(x: Tensor, C: int) -> Tensor:
+    """[B, T, H, D] -> [B, H, NT, C, D], T zero-padded to NT * C (NT >= 1)."""
+    B, T, H, D = x.shape
+    NT = max(1, -(-T // C))
+    if NT * C != T:
+        x = F.pad(x, (0, 0, 0, 0, 0, NT * C - T))
+    return x.reshape(B, NT, C, H, D).permute(0, 3, 1, 2, 4)
+
+
+def _doc_layout(cu: Tensor, T: int, C: int) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
+    """Document-aligned chunk layout of a packed row, from cu (long [N+1]) with no host read.
+
+    Returns (slot [T] position of each token in the NC * C layout, start [NC] bool: a document
+    begins at this chunk, chunk_doc [NC] the chunk's document (clamped to N-1 past the last
+    one), chunk_off [N+1] first chunk of each document, NC). NC is a static bound from shapes:
+    sum_i ceil(len_i / C) <= (T + N' (C - 1)) / C, N' = min(N, T) non-empty documents at most."""
+    N = cu.numel() - 1
+    n_chunks = torch.div(cu[1:] - cu[:-1] + (C - 1), C, rounding_mode="floor")  # [N]
+    chunk_off = F.pad(n_chunks.cumsum(0), (1, 0))  # [N+1]
+    NC = max(1, (T + min(N, T) * (C - 1)) // C)
+    doc, pos = _doc_ids(cu, T)
+    slot = chunk_off.index_select(0, doc) * C + pos  # [T]
+    chunk = torch.arange(NC, device=cu.device)
+    chunk_doc = torch.searchsorted(chunk_off[1:], chunk, right=True)  # [NC], N past the end
+    inside = chunk_doc < N
+    chunk_doc = chunk_doc.clamp(max=N - 1)
+    start = inside & (chunk == chunk_off.index_select(0, chunk_doc))
+    return slot, start, chunk_doc, chunk_off, NC
+
+
+def _chunk_varlen(
+    xs: list[Tensor], s0: Tensor | None, cu_seqlens: Tensor, scale: float, C: int,
+    output_final_state: bool,
+) -> tuple[Tensor, Tensor | None]:
+    q = xs[0]
+    T, H = q.shape[1], q.shape[2]
+    cu = cu_seqlens.to(device=q.device, dtype=torch.long)
+    slot, start, chunk_doc, chunk_off, NC = _doc_layout(cu, T, C)
+
+    def to_chunks(x: Tensor) -> Tensor:  # [1, T, H, D] -> [1, H, NC, C, D]
+        buf = x.new_zeros(NC * C, *x.shape[2:]).index_copy(0, slot, x[0])
+        return buf.view(1, NC, C, H, x.shape[-1]).permute(0, 3, 1, 2, 4)
+
+    q, k, v, g = (to_chunks(x) for x in xs[:4])
+    beta = to_chunks(xs[4].unsqueeze(-1))
+    o, ends, _ = _chunk_fwd(q, k, v, g, beta, s0, scale, start.to(q.dtype), chunk_doc,
+                            keep_ends=output_final_state)
+    o = o.permute(0, 2, 3, 1, 4).reshape(NC * C, H, -1).index_select(0, slot)  # [T, H, V]
+    S = None
+    if ends is not None:
+        S = _final_states(ends, chunk_off[1:], cu[1:] == cu[:-1], s0)  # [N, H, K, V]
+    return o.unsqueeze(0), S
 
 
 def chunk_kda_reference(
@@ -300,14 +597,18 @@ def chunk_kda_reference(
     """Chunked (WY/UT-transform) KDA in pure PyTorch. Same contract as ``chunk_kda``.
 
     Output is cast to v's dtype; the final state is float32 (float64 for float64 inputs).
-    Varlen packs the sequences into a right-padded batch [N, T_max (rounded up to chunk_size)].
+    Varlen uses the document-aligned chunk layout (module docstring): each document is padded
+    to a multiple of chunk_size only. No host synchronisation anywhere.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     xs, scale, s0 = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens)
-    fn = functools.partial(_chunk_fwd, scale=scale, chunk_size=chunk_size)
-    if cu_seqlens is None:
-        o, S = fn(*xs, s0)
-    else:
-        o, S = _run_varlen(fn, xs, s0, cu_seqlens, multiple=chunk_size)
+    if cu_seqlens is not None:
+        o, S = _chunk_varlen(xs, s0, cu_seqlens, scale, chunk_size, output_final_state)
+        return o.to(v.dtype), S
+    B, T, H, _ = q.shape
+    qc, kc, vc, gc = (_dense_chunks(x, chunk_size) for x in xs[:4])
+    bc = _dense_chunks(xs[4].unsqueeze(-1), chunk_size)
+    o, _, S = _chunk_fwd(qc, kc, vc, gc, bc, s0, scale)
+    o = o.permute(0, 2, 3, 1, 4).reshape(B, -1, H, o.shape[-1])[:, :T]  # [B, T, H, V]
     return o.to(v.dtype), (S if output_final_state else None)

@@ -1,15 +1,23 @@
-"""KDA op: the chunked reference (and the public op on CPU) against the independent recurrence."""
+"""KDA op: the chunked reference (and the public op on CPU) against the independent recurrence;
+no host synchronisation (fake-tensor traces); the fla custom ops against fla's contract."""
 
 from __future__ import annotations
+
+import inspect
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import model.ops.kda as kda_mod
+from model.ops.backends import force_cuda_backends
 from model.ops.kda import chunk_kda, chunk_kda_reference, kda_backend, recurrent_kda
+from model.packing import check_cu_seqlens
+from train.host_syncs import HostSyncCounter
 
 F64 = torch.float64
+NAMES = ("q", "k", "v", "g", "beta")
 
 
 def make_inputs(
@@ -28,6 +36,8 @@ def make_inputs(
     beta = torch.sigmoid(randn(B, T, H))
     if gate == "bounded":  # K3 lower-bounded gate, g in (-5, 0)
         g = -5.0 * torch.sigmoid(randn(B, T, H, K))
+    elif gate == "strong":  # softplus gate with large exp(A_log): g down to -50 per token
+        g = (-12.0 * F.softplus(2.0 * randn(B, T, H, K) + 2.0)).clamp(min=-50.0)
     else:  # unbounded Kimi-Linear gate -exp(A_log) softplus(x); exp(A_log) from 1 (mild) to 16
         a_log = torch.linspace(0.0, 16.0, H, dtype=F64).clamp(min=1.0).log().view(1, 1, H, 1)
         g = (-a_log.exp() * F.softplus(3.0 * randn(B, T, H, K) - 1.0)).clamp(min=-30.0)
@@ -138,13 +148,19 @@ def test_varlen_matches_per_sequence_recurrence(lengths: list[int], chunk_size: 
     assert max_err(o, o_noreset) > 1e-3
 
 
-def test_varlen_rejects_bad_inputs() -> None:
+def test_varlen_rejects_bad_shapes() -> None:
+    """Shapes are checked; cu_seqlens values are not (that would read them on the host): the
+    caller validates its host copy with `check_cu_seqlens`."""
     inp = make_inputs(B=2, T=10)
     with pytest.raises(ValueError):
         run(chunk_kda_reference, inp, cu_seqlens=torch.tensor([0, 4, 10]))  # B must be 1
     inp = make_inputs(B=1, T=10, n_states=2)
     with pytest.raises(ValueError):
-        run(chunk_kda_reference, inp, cu_seqlens=torch.tensor([0, 4, 9]))  # does not end at T
+        run(chunk_kda_reference, inp, cu_seqlens=torch.tensor([0, 3, 6, 10]))  # 3 != 2 states
+    with pytest.raises(ValueError):
+        run(chunk_kda_reference, inp, cu_seqlens=torch.tensor([0.0, 4.0, 10.0]))  # not integer
+    with pytest.raises(ValueError):
+        check_cu_seqlens(torch.tensor([0, 4, 9]), 1, 10)  # does not end at T: the caller's check
 
 
 def test_gradcheck_chunk_reference() -> None:
@@ -212,46 +228,296 @@ def test_backend_env_override(monkeypatch: pytest.MonkeyPatch) -> None:
         kda_backend("cpu")
 
 
-def test_fla_dispatch_forwards_plain_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = []
+def test_forced_cuda_backends_pick_fla_without_import(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_import():
+        raise AssertionError("kda_backend must not import fla when the CUDA backends are forced")
 
-    def fake_fla(*args, **kwargs):
-        calls.append((args, kwargs))
-        return "o", "s"
-
-    monkeypatch.setattr(kda_mod, "_load_fla", lambda: fake_fla)
-    monkeypatch.setattr(kda_mod, "kda_backend", lambda device: "fla")
-    inp = make_inputs(B=1, T=5, n_states=2)
-    cu = torch.tensor([0, 2, 5])
-    assert run(chunk_kda, inp, cu_seqlens=cu, scale=0.3) == ("o", "s")
-    (args, kwargs), = calls
-    assert all(a is inp[n] for a, n in zip(args, ("q", "k", "v", "g", "beta"), strict=True))
-    assert sorted(kwargs) == ["cu_seqlens", "initial_state", "output_final_state", "scale"]
-    assert kwargs["scale"] == 0.3 and kwargs["output_final_state"] is True
-    assert kwargs["initial_state"] is inp["initial_state"] and kwargs["cu_seqlens"] is cu
+    monkeypatch.setattr(kda_mod, "_load_fla", no_import)
+    monkeypatch.setenv("K3_KDA_BACKEND", "torch")
+    with force_cuda_backends():
+        assert kda_backend("cpu") == "fla"
+    assert kda_backend("cpu") == "torch"
 
 
-@pytest.mark.parametrize("path", ["factored", "broadcast"])
-@pytest.mark.parametrize("dtype", [F64, torch.float32])
-def test_both_intra_chunk_paths_match_recurrence(monkeypatch: pytest.MonkeyPatch, path: str,
-                                                 dtype: torch.dtype) -> None:
-    """The factored matmul form (bounded decay span) and the broadcast form agree with the
-    recurrence, values and gradients; the span threshold decides which one runs."""
-    limit = {F64: 1e9, torch.float32: 1e9} if path == "factored" else {}
-    monkeypatch.setattr(kda_mod, "_FACTOR_SPAN", limit)
-    calls = []
-    real = kda_mod._intra_scores_factored
-    monkeypatch.setattr(kda_mod, "_intra_scores_factored",
-                        lambda *a: calls.append(1) or real(*a))
-    inp = make_inputs(T=50, gate="bounded", seed=3)  # g in (-5, 0): span <= 80 per 16 tokens
-    ref = {n: x.clone().requires_grad_() for n, x in inp.items()}
-    got = {n: x.to(dtype).detach().requires_grad_() for n, x in inp.items()}
-    o_ref, s_ref = run(recurrent_kda, ref)
-    o, s = run(chunk_kda_reference, got, chunk_size=16)
-    assert bool(calls) == (path == "factored")
-    tol = 1e-10 if dtype == F64 else 1e-4
-    assert max_err(o, o_ref) <= tol and max_err(s, s_ref) <= tol
-    (o_ref.sum() + s_ref.sum()).backward()
-    (o.double().sum() + s.double().sum()).backward()
-    for n in ref:
-        assert max_err(got[n].grad, ref[n].grad) <= tol * 10, n
+# ------------------------------------------------------ intra-chunk scores: exact for any decay
+@pytest.mark.parametrize("C", [1, 3, 16, 20, 64])
+def test_intra_scores_exact_for_strong_decays(C: int) -> None:
+    """The dyadic factored scores equal the direct masked formula, for chunk sizes that are and
+    are not powers of two, with decays far beyond exp's range (the direct form masks first)."""
+    inp = make_inputs(B=1, T=2 * C, H=2, K=8, gate="strong", seed=7)
+    q, k, g = (inp[n].reshape(1, 2, C, 2, 8).permute(0, 3, 1, 2, 4) for n in ("q", "k", "g"))
+    G = g.cumsum(-2)  # [1, H, 2, C, K]
+    span = (G[..., 0, :] - G[..., -1, :]).max()  # exp(span / 2) overflows fp32 / fp64
+    assert C < 16 or span > (2 * 709 if C == 64 else 2 * 88)
+    S_kk, S_qk = kda_mod._intra_scores(q, k, G)
+    causal = torch.ones(C, C, dtype=torch.bool).tril()
+    diff = G.unsqueeze(-2) - G.unsqueeze(-3)  # [.., C(r), C(i), K]
+    decay = torch.where(causal.unsqueeze(-1), diff, -torch.inf).exp()
+    g32 = g.float().requires_grad_()  # fp32: no overflow either, padding tokens included
+    S32 = kda_mod._intra_scores(q.float(), k.float(), g32.cumsum(-2))
+    (S32[0].sum() + S32[1].sum() + 0 * g32.sum()).backward()
+    assert torch.isfinite(g32.grad).all()
+    for x, got, got32 in ((k, S_kk, S32[0]), (q, S_qk, S32[1])):
+        want = torch.einsum("bhnrk,bhnrik,bhnik->bhnri", x, decay, k)
+        assert got.shape == want.shape and max_err(got, want) <= 1e-12
+        assert max_err(got32, want) <= 1e-4
+
+
+# --------------------------------------------------------- varlen: document-aligned chunk layout
+VARLEN_CASES = {
+    "edges": [1, 63, 64, 65, 130],  # around one chunk of 64, and a long document
+    "empty_mid_and_tail": [5, 0, 70, 0, 1, 0, 0],  # trailing repeats of T, as pipelines pass
+    "empty_first": [0, 0, 40],
+}
+
+
+def per_document(inp: dict[str, torch.Tensor], cu: torch.Tensor, with_state: bool = True):
+    """Each document alone through the (unpacked) recurrence: (o [1, T, H, V], S [N, H, K, V])."""
+    outs, states = [], []
+    for i in range(cu.numel() - 1):
+        a, b = int(cu[i]), int(cu[i + 1])
+        s0 = inp["initial_state"][i : i + 1] if with_state else None
+        o_i, s_i = recurrent_kda(*(inp[n][:, a:b] for n in NAMES), initial_state=s0,
+                                 output_final_state=True)
+        outs.append(o_i)
+        states.append(s_i)
+    return torch.cat(outs, dim=1), torch.cat(states)
+
+
+def packed_inputs(lengths: list[int], seed: int = 1, **kw) -> tuple[dict, torch.Tensor]:
+    cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+    return make_inputs(B=1, T=sum(lengths), n_states=len(lengths), seed=seed, **kw), cu
+
+
+@pytest.mark.parametrize("case", list(VARLEN_CASES))
+@pytest.mark.parametrize("chunk_size", [16, 64])
+def test_varlen_document_aligned_matches_each_document(case: str, chunk_size: int) -> None:
+    inp, cu = packed_inputs(VARLEN_CASES[case])
+    o_ref, s_ref = per_document(inp, cu)
+    o, s = run(chunk_kda_reference, inp, cu_seqlens=cu, chunk_size=chunk_size)
+    assert o.shape == o_ref.shape and s.shape == s_ref.shape
+    assert max_err(o, o_ref) <= 1e-10 and max_err(s, s_ref) <= 1e-10
+    empty = [i for i, n in enumerate(VARLEN_CASES[case]) if n == 0]
+    assert torch.equal(s[empty], inp["initial_state"][empty])  # empty: final = initial state
+    if chunk_size == 64:  # the packed recurrence (the oracle's varlen path) agrees too
+        o_rec, s_rec = run(recurrent_kda, inp, cu_seqlens=cu)
+        assert max_err(o_rec, o_ref) <= 1e-10 and max_err(s_rec, s_ref) <= 1e-10
+
+
+def test_varlen_without_initial_state_empty_documents_end_at_zero() -> None:
+    inp, cu = packed_inputs(VARLEN_CASES["empty_mid_and_tail"])
+    args = [inp[n] for n in NAMES]
+    o, s = chunk_kda_reference(*args, output_final_state=True, cu_seqlens=cu, chunk_size=32)
+    o_ref, s_ref = per_document(inp, cu, with_state=False)
+    assert max_err(o, o_ref) <= 1e-10 and max_err(s, s_ref) <= 1e-10
+    assert s[[1, 3, 5, 6]].abs().max() == 0 and s[[0, 2, 4]].abs().min() > 0
+
+
+@pytest.mark.parametrize("chunk_size", [3, 8])  # 3: intra-chunk padding to a power of two
+def test_varlen_gradients_match_each_document_fp64(chunk_size: int) -> None:
+    lengths = [3, 0, 21, 1, 9, 0]
+    inp, cu = packed_inputs(lengths, seed=2, H=1, K=4, V=3)
+    gen = torch.Generator().manual_seed(5)
+    w_o = torch.randn(1, sum(lengths), 1, 3, generator=gen, dtype=F64)
+    w_s = torch.randn(len(lengths), 1, 4, 3, generator=gen, dtype=F64)
+    grads = []
+    for fn in (lambda x: per_document(x, cu),
+               lambda x: run(chunk_kda_reference, x, cu_seqlens=cu, chunk_size=chunk_size)):
+        leaves = {n: x.clone().requires_grad_() for n, x in inp.items()}
+        o, s = fn(leaves)
+        ((o * w_o).sum() + (s * w_s).sum()).backward()
+        grads.append({n: x.grad for n, x in leaves.items()})
+    for name in inp:
+        assert grads[0][name].abs().max() > 1e-3, name
+        assert max_err(grads[1][name], grads[0][name]) <= 1e-10, name
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_strong_decays_values_and_gradients_fp64(packed: bool) -> None:
+    """g down to -50 per token: exp of a chunk's decay span overflows even float64."""
+    if packed:
+        inp, cu = packed_inputs([37, 0, 70], seed=3, H=2, K=8, V=4, gate="strong")
+        kw: dict = {"cu_seqlens": cu}
+    else:
+        inp, kw = make_inputs(B=2, T=70, H=2, K=8, V=4, gate="strong", seed=3), {}
+    assert inp["g"][:, :64].sum(1).min() < -2 * 709
+    outs, grads = [], []
+    for fn, extra in ((recurrent_kda, {}), (chunk_kda_reference, {"chunk_size": 64})):
+        leaves = {n: x.clone().requires_grad_() for n, x in inp.items()}
+        o, s = run(fn, leaves, **kw, **extra)
+        (o.square().sum() + s.sum()).backward()
+        outs.append((o, s))
+        grads.append({n: x.grad for n, x in leaves.items()})
+    assert max_err(outs[1][0], outs[0][0]) <= 1e-10 and max_err(outs[1][1], outs[0][1]) <= 1e-10
+    for name in inp:
+        assert torch.isfinite(grads[1][name]).all(), name
+        assert max_err(grads[1][name], grads[0][name]) <= 1e-9, name
+
+
+def test_strong_decays_fp32_close_to_fp64_recurrence() -> None:
+    inp = make_inputs(B=1, T=130, H=2, K=16, V=8, gate="strong", seed=4)
+    o_ref, s_ref = run(recurrent_kda, inp)
+    o, s = run(chunk_kda_reference, {n: x.float() for n, x in inp.items()}, chunk_size=64)
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()
+    assert max_err(o, o_ref) <= 1e-4 and max_err(s, s_ref) <= 1e-4
+
+
+# ------------------------------------------------------------------- no host synchronisation
+def _fake_inputs(lengths: list[int], H: int = 2, K: int = 16, V: int = 8):
+    """Inside FakeTensorMode: packed CPU inputs with requires_grad, an initial state, cu."""
+    T, N = sum(lengths), len(lengths)
+    q, k = (F.normalize(torch.randn(1, T, H, K), dim=-1).requires_grad_() for _ in range(2))
+    v = torch.randn(1, T, H, V, requires_grad=True)
+    g = (-5.0 * torch.sigmoid(torch.randn(1, T, H, K))).requires_grad_()
+    beta = torch.rand(1, T, H, requires_grad=True)
+    s0 = torch.randn(N, H, K, V, requires_grad=True)
+    cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+    return (q, k, v, g, beta, s0), cu
+
+
+@pytest.mark.parametrize("path", ["reference", "fla_custom_op"])
+def test_traces_under_fake_tensors(path: str) -> None:
+    """Any host read raises DataDependentOutputException / DynamicOutputShapeException here."""
+    lengths = [5, 0, 70, 1, 0, 0]
+    with FakeTensorMode():
+        (q, k, v, g, beta, s0), cu = _fake_inputs(lengths)
+        if path == "reference":
+            o, s = chunk_kda_reference(q, k, v, g, beta, initial_state=s0,
+                                       output_final_state=True, cu_seqlens=cu, chunk_size=16)
+        else:  # the custom ops' fake implementations stand in for fla
+            with force_cuda_backends():
+                o, s = chunk_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+                                 cu_seqlens=cu, chunk_size=64, cu_seqlens_cpu=cu)
+        (o.sum() + s.sum()).backward()
+        grads = [x.grad for x in (q, k, v, g, beta, s0)]
+    assert o.shape == (1, 76, 2, 8) and s.shape == (6, 2, 16, 8) and s.dtype == torch.float32
+    assert all(gr is not None and gr.shape == x.shape
+               for gr, x in zip(grads, (q, k, v, g, beta, s0)))
+
+
+def test_reference_reads_nothing_on_the_host() -> None:
+    inp, cu = packed_inputs([5, 0, 40, 1, 0], H=1, K=4, V=3)
+    leaves = {n: x.float().requires_grad_() for n, x in inp.items()}
+    with HostSyncCounter() as counter:
+        o, s = run(chunk_kda_reference, leaves, cu_seqlens=cu, chunk_size=16)
+        (o.sum() + s.sum()).backward()
+    assert counter.counts == {}, counter.counts
+
+
+# -------------------------------------------------------- fla custom ops against fla's contract
+def _fla_0_6(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+             use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+             use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, safe_gate=False,
+             lower_bound=None, disable_recompute=False, return_intermediate_states=False,
+             state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, cp_context=None,
+             use_graph=False, max_num_seqs=None, **kwargs):
+    """Signature of fla-core 0.6.0's chunk_kda (chunk_size is read from **kwargs)."""
+
+
+def _fla_0_4_0(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+               use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
+    """Signature of fla 0.4.0's chunk_kda (no cu_seqlens_cpu; chunk size fixed at 64)."""
+
+
+def make_fla_stand_in(signature_of, calls: list[dict]):
+    """A stand-in for fla's chunk_kda: checks each call against fla's contract, records it, and
+    computes the result with the reference (so the custom ops' real paths run on CPU)."""
+    sig = inspect.signature(signature_of)
+
+    def stand_in(*args, **kwargs):
+        bound = sig.bind(*args, **kwargs)  # raises on an argument fla does not take
+        bound.apply_defaults()
+        a = dict(bound.arguments)
+        extra = a.pop("kwargs", {})
+        q, v, cu, h0 = a["q"], a["v"], a["cu_seqlens"], a["initial_state"]
+        assert set(extra) <= {"chunk_size"}, extra
+        assert extra.get("chunk_size", 64) in (32, 64)
+        assert not any(a[n] for n in ("use_qk_l2norm_in_kernel", "use_gate_in_kernel",
+                                      "use_beta_sigmoid_in_kernel", "safe_gate") if n in a)
+        assert isinstance(a["scale"], float)
+        if cu is not None:
+            assert q.shape[0] == 1 and cu.dtype == torch.int32 and cu.device == q.device
+            assert h0 is None or h0.shape[0] == cu.numel() - 1
+        if a.get("cu_seqlens_cpu") is not None:
+            assert a["cu_seqlens_cpu"].device.type == "cpu"
+            assert torch.equal(a["cu_seqlens_cpu"].long(), cu.long())
+        assert h0 is None or h0.dtype == torch.float32
+        calls.append({"kwargs": sorted(kwargs), "chunk_size": extra.get("chunk_size"),
+                      "grad": torch.is_grad_enabled() and q.requires_grad})
+        o, ht = chunk_kda_reference(*(a[n] for n in NAMES), scale=a["scale"], initial_state=h0,
+                                    output_final_state=a["output_final_state"], cu_seqlens=cu,
+                                    chunk_size=extra.get("chunk_size", 64))
+        return o.to(v.dtype), ht
+
+    stand_in.__signature__ = sig  # what inspect.signature (our feature test) sees
+    return stand_in
+
+
+@pytest.mark.parametrize("version", ["0.6.0", "0.4.0"])
+@pytest.mark.parametrize("packed", [True, False])
+def test_fla_custom_ops_call_fla_by_its_contract(monkeypatch: pytest.MonkeyPatch, version: str,
+                                                 packed: bool) -> None:
+    """Forward and backward through k3::chunk_kda_fla(_bwd) on CPU with a stand-in for fla:
+    arguments as fla takes them, results and gradients those of the reference."""
+    calls: list[dict] = []
+    sig_of = {"0.6.0": _fla_0_6, "0.4.0": _fla_0_4_0}[version]
+    stand_in = make_fla_stand_in(sig_of, calls)
+    monkeypatch.setattr(kda_mod, "_load_fla", lambda: stand_in)
+    monkeypatch.setattr(kda_mod, "_fla_version", lambda: tuple(map(int, version.split("."))))
+    if packed:
+        base, cu = packed_inputs([5, 0, 40, 20, 0], H=2, K=8, V=4)
+        kw: dict = {"cu_seqlens": cu.long(), "cu_seqlens_cpu": cu}  # int32 is what fla gets
+    else:
+        base, kw = make_inputs(B=2, T=45, H=2, K=8, V=4), {}
+    base = {n: x.float() for n, x in base.items()}
+    gen = torch.Generator().manual_seed(6)
+    w = torch.randn(base["v"].shape, generator=gen)
+    results = []
+    for forced in (True, False):  # the custom ops, then the reference itself
+        leaves = {n: x.clone().requires_grad_() for n, x in base.items()}
+        with force_cuda_backends(forced):
+            o, s = run(chunk_kda, leaves, chunk_size=32, scale=0.3, **kw)
+        ((o * w).sum() + s.square().sum()).backward()
+        results.append((o, s, {n: x.grad for n, x in leaves.items()}))
+    (o1, s1, g1), (o2, s2, g2) = results
+    assert o1.dtype == torch.float32 and s1.dtype == torch.float32
+    assert max_err(o1, o2) <= 1e-6 and max_err(s1, s2) <= 1e-6
+    for n in base:
+        assert max_err(g1[n], g2[n]) <= 1e-5, n
+    assert [c["grad"] for c in calls] == [False, True]  # forward, then backward's recompute
+    want = ["cu_seqlens", "initial_state", "output_final_state", "scale"]
+    if version == "0.6.0":
+        want = sorted([*want, "chunk_size"] + (["cu_seqlens_cpu"] if packed else []))
+    assert all(c["kwargs"] == want for c in calls), calls
+
+
+def test_fla_custom_op_without_final_state_and_unsupported_chunk(monkeypatch) -> None:
+    """No initial state, no final state, chunk 16 (fla takes 32 or 64 only: fla's own 64)."""
+    calls: list[dict] = []
+    stand_in = make_fla_stand_in(_fla_0_6, calls)
+    monkeypatch.setattr(kda_mod, "_load_fla", lambda: stand_in)
+    monkeypatch.setattr(kda_mod, "_fla_version", lambda: (0, 6, 0))
+    base = {n: x.float() for n, x in make_inputs(B=2, T=20, H=1, K=4, V=4).items()}
+    leaves = [base[n].clone().requires_grad_() for n in NAMES]
+    with force_cuda_backends():
+        o, s = chunk_kda(*leaves, chunk_size=16)
+    assert s is None
+    o.sum().backward()
+    o_ref, _ = chunk_kda_reference(*(base[n] for n in NAMES))
+    assert max_err(o, o_ref) <= 1e-6 and all(x.grad is not None for x in leaves)
+    assert [c["chunk_size"] for c in calls] == [None, None]
+
+
+@pytest.mark.parametrize("gate", ["bounded", "strong"])
+def test_no_future_token_leakage(gate: str) -> None:
+    """Outputs of tokens < t are bitwise independent of the inputs at t and after (the anchors
+    of the intra-chunk factors never look past the row's token; a chunk-midpoint anchor would
+    let future gates leak in through rounding)."""
+    inp = {n: x.float() for n, x in make_inputs(B=1, T=64, gate=gate, seed=8).items()}
+    later = make_inputs(B=1, T=64, gate=gate, seed=9)
+    changed = {n: torch.cat([x[:, :40], later[n][:, 40:].float()], dim=1)
+               for n, x in inp.items() if n != "initial_state"}
+    changed["initial_state"] = inp["initial_state"]
+    o1, _ = run(chunk_kda_reference, inp, chunk_size=64)
+    o2, _ = run(chunk_kda_reference, changed, chunk_size=64)
+    assert torch.equal(o1[:, :40], o2[:, :40]) and not torch.equal(o1[:, 40:], o2[:, 40:])
