@@ -56,3 +56,24 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 def sample_ids(run_dir: Path) -> dict[int, list[int]]:
     return {m["step"]: m["sample_ids"] for m in metrics(run_dir)}
+
+
+def assert_parameters_equal(ref_dir: Path, got_dir: Path, step: int) -> list[str]:
+    """The floating-point state of two runs' step-`step` checkpoints agrees to fp32 round-off
+    (rtol 1e-5, atol 1e-6, for fp64 verification runs); returns the names compared."""
+    import torch
+
+    from train.export_hf import load_model
+
+    name = f"step-{step:08d}"
+    ref, _ = load_model(ref_dir / "checkpoints" / name)
+    got, _ = load_model(got_dir / "checkpoints" / name)
+    ref_sd, got_sd = ref.state_dict(), got.state_dict()
+    assert ref_sd.keys() == got_sd.keys()
+    compared = []
+    for k, v in ref_sd.items():
+        if v.is_floating_point():
+            torch.testing.assert_close(got_sd[k], v, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, k=k: f"{got_dir.name} {k}: {m}")
+            compared.append(k)
+    return compared
