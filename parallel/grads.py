@@ -33,8 +33,10 @@ def clip_grad_norm(params, max_norm: float, pp: int = 1) -> float:
     """Clip in place to `max_norm` (inf: measure only); returns the norm before clipping.
 
     Norms come from `torch._foreach_norm` over the local pieces grouped by copy count and
-    dtype (no per-gradient float64 copies); only the per-piece norms are summed in float64.
-    The clip factor stays a tensor; the returned float is the step's one norm readout."""
+    dtype, accumulated in float64 (`dtype=`, no stored float64 copy of any gradient): with fp32
+    accumulation the norm, and so the clip factor, would depend on how the gradients are
+    sharded, and layouts would drift apart from one rank (MXFP8 amplifies it: 2e-5 in the loss
+    by step 7). The clip factor stays a tensor; the returned float is the one norm readout."""
     grads = [p.grad for p in params if p.grad is not None]
     ranks_per_stage = (dist.get_world_size() if dist.is_initialized() else 1) // pp
     device = grads[0].device if grads else torch.device("cpu")
@@ -45,7 +47,7 @@ def clip_grad_norm(params, max_norm: float, pp: int = 1) -> float:
             groups[(_copies(g, ranks_per_stage), local.dtype, local.device)].append(local)
     total = torch.zeros((), dtype=torch.float64, device=device)
     for (copies, _, _), pieces in groups.items():
-        norms = torch.stack(torch._foreach_norm(pieces, 2)).double()
+        norms = torch.stack(torch._foreach_norm(pieces, 2, dtype=torch.float64))
         total += norms.pow(2).sum().to(device) / copies
     if dist.is_initialized():
         dist.all_reduce(total)
