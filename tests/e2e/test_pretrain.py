@@ -86,7 +86,14 @@ def test_quantile_balancing_is_layout_independent(runs):
         biases[name] = torch.stack([m.gate.e_score_correction_bias for m in model.moe_layers()])
         assert not any(m.gate.qb_counts.any() for m in model.moe_layers())  # cleared each step
     assert biases["A"].abs().max() > 0  # QB has moved the biases
-    torch.testing.assert_close(biases["A"], biases["C"], rtol=0, atol=1e-5)
+    # fp32: by step 4 the two layouts' different gradient summation order can move a margin
+    # across a histogram bin edge, which shifts that expert's interpolated quantile by a
+    # fraction of a bin (2e-3 wide); at most one such expert per layer. Histograms that were not
+    # summed over ranks would move nearly every bias. (The float64 EP and layout tests check
+    # the biases exactly.)
+    diff = (biases["A"] - biases["C"]).abs()
+    assert diff.max() < 1e-3, diff.max()
+    assert ((diff > 1e-5).sum(1) <= 1).all(), diff
 
 
 def test_host_syncs_per_step(runs):
