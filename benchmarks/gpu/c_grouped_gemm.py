@@ -90,12 +90,7 @@ def main(ctx: common.Ctx, out: dict) -> bool:
                     "peak_mib": common.peak_mib(ctx, lambda: run(fn, dtype))}
 
         common.attempt(timings, name, timing)
-    out["timings"] = timings
-    if timings.get("failed"):
-        out.setdefault("failed", []).extend(f"timings.{k}" for k in timings["failed"])
-    out["within_tol"] = bool(isinstance(out.get("errors"), dict)
-                             and out["errors"].get("within_tol"))
-    return True
+    return common.finish(out, timings, "errors")
 
 
 if __name__ == "__main__":

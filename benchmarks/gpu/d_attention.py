@@ -100,12 +100,7 @@ def main(ctx: common.Ctx, out: dict) -> bool:
                     "peak_mib": common.peak_mib(ctx, lambda: run(name))}
 
         common.attempt(timings, name, timing)
-    out["timings"] = timings
-    if timings.get("failed"):
-        out.setdefault("failed", []).extend(f"timings.{k}" for k in timings["failed"])
-    out["within_tol"] = bool(isinstance(out.get("errors_packed"), dict)
-                             and out["errors_packed"].get("within_tol"))
-    return True
+    return common.finish(out, timings, "errors_packed")
 
 
 if __name__ == "__main__":

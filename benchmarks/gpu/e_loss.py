@@ -88,12 +88,7 @@ def main(ctx: common.Ctx, out: dict) -> bool:
                     "peak_mib": peak}
 
         common.attempt(timings, name, timing)
-    out["timings"] = timings
-    if timings.get("failed"):
-        out.setdefault("failed", []).extend(f"timings.{k}" for k in timings["failed"])
-    out["within_tol"] = bool(isinstance(out.get("errors_chunked"), dict)
-                             and out["errors_chunked"].get("within_tol"))
-    return True
+    return common.finish(out, timings, "errors_chunked")
 
 
 if __name__ == "__main__":

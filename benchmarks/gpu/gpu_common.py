@@ -158,6 +158,16 @@ def run_stage(name: str, main: Callable[[Ctx, dict], bool | None],
 
 
 # ----------------------------------------------------------------------------- measuring
+def finish(out: dict, timings: dict, errors_key: str) -> bool:
+    """Close a numerics stage: its timings, failed sub-cases and the verdict of `errors_key`."""
+    out["timings"] = timings
+    if timings.get("failed"):
+        out.setdefault("failed", []).extend(f"timings.{k}" for k in timings["failed"])
+    errors = out.get(errors_key)
+    out["within_tol"] = bool(isinstance(errors, dict) and errors.get("within_tol"))
+    return True
+
+
 def best_ms(ctx: Ctx, fn: Callable[[], Any], repeats: int = 3, warmup: int = 1,
             min_left: float = 5.0) -> dict[str, float]:
     """{"ms": best, "median_ms", "first_ms": the first (warm-up) call, "runs"}: wall time
