@@ -100,11 +100,6 @@ class Packing:
     def packed(self) -> bool:
         return self.cu_seqlens is not None
 
-    @property
-    def num_docs(self) -> int:
-        """N (static: the length of cu_seqlens - 1; trailing empty documents included)."""
-        return self.batch if self.cu_seqlens is None else self.cu_seqlens.numel() - 1
-
     @cached_property
     def doc_ids(self) -> torch.Tensor:
         """[B, T] int64 document index of each token (0..N-1 over the whole batch)."""

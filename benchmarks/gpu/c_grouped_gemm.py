@@ -12,6 +12,8 @@ for grouped_mm bf16, _padded_bmm bf16 and the fp32 reference, plus grouped_mm's 
 
 from __future__ import annotations
 
+import functools
+
 import gpu_common as common
 import torch
 
@@ -82,12 +84,9 @@ def main(ctx: common.Ctx, out: dict) -> bool:
             continue
 
         def timing(fn=fn, dtype=dtype) -> dict:
-            f = common.best_ms(ctx, lambda: run(fn, dtype, backward=False), repeats=5)
-            fb = common.best_ms(ctx, lambda: run(fn, dtype), repeats=5)
-            return {"fwd_ms": f["ms"], "fwd_bwd_ms": fb["ms"], "bwd_ms": fb["ms"] - f["ms"],
-                    "fwd_tflops": flops / f["ms"] / 1e9,
-                    "fwd_bwd_tflops": 3 * flops / fb["ms"] / 1e9,
-                    "peak_mib": common.peak_mib(ctx, lambda: run(fn, dtype))}
+            t = common.fwd_bwd_timing(ctx, functools.partial(run, fn, dtype), repeats=5)
+            return {**t, "fwd_tflops": flops / t["fwd_ms"] / 1e9,
+                    "fwd_bwd_tflops": 3 * flops / t["fwd_bwd_ms"] / 1e9}
 
         common.attempt(timings, name, timing)
     return common.finish(out, timings, "errors")

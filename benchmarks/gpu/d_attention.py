@@ -14,6 +14,8 @@ forward+backward; peak extra memory of forward+backward (MiB).
 
 from __future__ import annotations
 
+import functools
+
 import gpu_common as common
 import torch
 import torch.nn.functional as F
@@ -92,14 +94,8 @@ def main(ctx: common.Ctx, out: dict) -> bool:
             common.skip(out, f"timing {name}")
             continue
 
-        def timing(name=name) -> dict:
-            f = common.best_ms(ctx, lambda: run(name, backward=False))
-            fb = common.best_ms(ctx, lambda: run(name))
-            return {"fwd_ms": f["ms"], "fwd_bwd_ms": fb["ms"], "bwd_ms": fb["ms"] - f["ms"],
-                    "first_fwd_bwd_ms": fb["first_ms"],
-                    "peak_mib": common.peak_mib(ctx, lambda: run(name))}
-
-        common.attempt(timings, name, timing)
+        common.attempt(timings, name,
+                       lambda name=name: common.fwd_bwd_timing(ctx, functools.partial(run, name)))
     return common.finish(out, timings, "errors_packed")
 
 

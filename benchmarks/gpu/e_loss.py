@@ -13,6 +13,8 @@ and peak extra memory for: chunked (bf16), the fp32 reference, and "naive_bf16"
 
 from __future__ import annotations
 
+import functools
+
 import gpu_common as common
 import torch
 import torch.nn.functional as F
@@ -80,12 +82,9 @@ def main(ctx: common.Ctx, out: dict) -> bool:
             continue
 
         def timing(fn=fn) -> dict:
-            f = common.best_ms(ctx, lambda: run(fn, backward=False))
-            fb = common.best_ms(ctx, lambda: run(fn))
-            peak = common.peak_mib(ctx, lambda: run(fn))
+            t = common.fwd_bwd_timing(ctx, functools.partial(run, fn))
             cur.clear()
-            return {"fwd_ms": f["ms"], "fwd_bwd_ms": fb["ms"], "bwd_ms": fb["ms"] - f["ms"],
-                    "peak_mib": peak}
+            return t
 
         common.attempt(timings, name, timing)
     return common.finish(out, timings, "errors_chunked")

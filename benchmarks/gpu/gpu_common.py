@@ -168,6 +168,15 @@ def finish(out: dict, timings: dict, errors_key: str) -> bool:
     return True
 
 
+def fwd_bwd_timing(ctx: Ctx, run: Callable[..., Any], repeats: int = 3) -> dict[str, Any]:
+    """Times of `run(backward=False)` and `run()` (forward + backward) and the peak memory of
+    one `run()`: fwd_ms, fwd_bwd_ms, bwd_ms (their difference), first_fwd_bwd_ms, peak_mib."""
+    f = best_ms(ctx, lambda: run(backward=False), repeats=repeats)
+    fb = best_ms(ctx, run, repeats=repeats)
+    return {"fwd_ms": f["ms"], "fwd_bwd_ms": fb["ms"], "bwd_ms": fb["ms"] - f["ms"],
+            "first_fwd_bwd_ms": fb["first_ms"], "peak_mib": peak_mib(ctx, run)}
+
+
 def best_ms(ctx: Ctx, fn: Callable[[], Any], repeats: int = 3, warmup: int = 1,
             min_left: float = 5.0) -> dict[str, float]:
     """{"ms": best, "median_ms", "first_ms": the first (warm-up) call, "runs"}: wall time
