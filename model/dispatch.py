@@ -4,7 +4,9 @@
 given. `LocalDispatcher` (this file) keeps everything on one device; `moonep` provides the
 expert-parallel one with the same contract:
 
-- dispatch -> (x_grouped [R, l] rows grouped by local expert, group_sizes [E_local] int64, handle)
+- dispatch(x, topk_idx, topk_weight, during=None) -> (x_grouped [R, l] rows grouped by local
+  expert, group_sizes [E_local] int64, handle); `during` (a callable, e.g. the shared experts)
+  runs while the tokens travel (here: right away) and its result is `handle.during_out`
 - the caller runs its grouped GEMM over (x_grouped, group_sizes)
 - combine(y_grouped [R, l], handle) -> [S, l] fp32: sum_k topk_weight[s, k] * y of (s, k),
   in the original token order, accumulated in fp32 and deterministic (no atomics).
@@ -31,6 +33,7 @@ class LocalHandle:
     order: torch.Tensor  # [S*k] position in the flat (token, k) list of each grouped row
     topk_weight: torch.Tensor  # [S, k] fp32
     num_tokens: int
+    during_out: object = None
 
 
 class LocalDispatcher:
@@ -39,14 +42,16 @@ class LocalDispatcher:
     def __init__(self, num_experts: int) -> None:
         self.num_experts = num_experts
 
-    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, LocalHandle]:
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
+                 during=None) -> tuple[torch.Tensor, torch.Tensor, LocalHandle]:
         S, k = topk_idx.shape
         flat = topk_idx.reshape(-1)  # [S*k]
         order = torch.argsort(flat, stable=True)  # [S*k] grouped by expert, token order inside
         x_grouped = x[order // k]  # [S*k, l]
         group_sizes = count_ids(flat, self.num_experts)  # [E] (no host sync, unlike bincount)
-        return x_grouped, group_sizes, LocalHandle(order, _combine_dtype(topk_weight), S)
+        during_out = during() if during is not None else None
+        return x_grouped, group_sizes, LocalHandle(order, _combine_dtype(topk_weight), S,
+                                                   during_out)
 
     def expert_weights(self, handle: LocalHandle, experts: torch.nn.Module
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -2,12 +2,16 @@
 
 router (fp32 sigmoid; bias only selects) -> latent down-projection -> dispatcher -> grouped
 SiTU-GLU experts in the latent width -> fp32 combine -> RMSNorm -> up-projection, plus the shared
-experts fused into one full-width MLP. Expert parallelism plugs in by swapping `dispatcher`.
+experts fused into one full-width MLP. Expert parallelism plugs in by swapping `dispatcher`; the
+shared experts run as the dispatcher's `during` work, so under expert parallelism their GEMMs
+(compute stream) overlap the token all-to-all (NCCL stream); nothing else changes order.
 The router records Quantile-Balancing histograms in training forwards (not in activation-
 checkpoint recomputation); `apply_quantile_balancing()` is called between optimizer steps.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -84,18 +88,20 @@ class RoutedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, latent, intermediate, device=device))
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
-                dispatcher) -> torch.Tensor:
-        """Latent tokens x [S, l] and their routing -> the fp32 weighted expert sum [S, l].
+                dispatcher, during=None) -> tuple[torch.Tensor, object]:
+        """Latent tokens x [S, l] and their routing -> (the fp32 weighted expert sum [S, l],
+        the result of `during`, run while the dispatch is in flight).
 
         Dispatch, the expert weights (with expert parallelism: home experts plus replicas
         fetched from their owners), the grouped GEMMs and the combine all run inside this one
         module call, so a wrapper that gathers the parameters around `forward` (FSDP over the
         expert-data-parallel ranks) sees every use of them, and in backward the gradients that
         replicas send home arrive before the gradient of `x` leaves the module."""
-        x_grouped, group_sizes, handle = dispatcher.dispatch(x, topk_idx, topk_weight)
+        x_grouped, group_sizes, handle = dispatcher.dispatch(x, topk_idx, topk_weight,
+                                                             during=during)
         weights = dispatcher.expert_weights(handle, self)
         y_grouped = self.grouped(x_grouped, group_sizes, weights)  # [R, l]
-        return dispatcher.combine(y_grouped, handle)
+        return dispatcher.combine(y_grouped, handle), handle.during_out
 
     def grouped(self, x: torch.Tensor, group_sizes: torch.Tensor,
                 weights: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
@@ -132,10 +138,13 @@ class LatentMoE(nn.Module):
         xs = x.reshape(-1, shape[-1])  # [S, d]
         topk_idx, topk_weight = self.gate(xs)
         x_latent = self.routed_expert_down_proj(xs)  # [S, l]
-        u = self.experts(x_latent, topk_idx, topk_weight, self.dispatcher)  # [S, l] fp32
+        shared = (None if self.shared_experts is None
+                  else functools.partial(self.shared_experts, xs))
+        u, y_shared = self.experts(x_latent, topk_idx, topk_weight, self.dispatcher,
+                                   during=shared)  # [S, l] fp32, [S, d]
         if self.routed_expert_norm is not None:
             u = self.routed_expert_norm(u)
         y = self.routed_expert_up_proj(u.to(x.dtype))
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(xs)
+        if y_shared is not None:
+            y = y + y_shared
         return y.view(shape)

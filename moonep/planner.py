@@ -66,7 +66,8 @@ class ReplicaPlan:
 
     def home_experts(self, rank: int) -> Tensor:
         epn = self.experts_per_rank
-        return torch.arange(rank * epn, (rank + 1) * epn, dtype=torch.int64)
+        return torch.arange(rank * epn, (rank + 1) * epn, dtype=torch.int64,
+                            device=self.alloc.device)
 
     def slot_experts(self, rank: int) -> Tensor:
         """[2*epn] the rank's expert GEMM view: its epn home experts, then its replica slots."""
@@ -80,9 +81,9 @@ class ReplicaPlan:
 
     def dest_order(self) -> Tensor:
         """[E, R] each expert's fixed destination order: home rank first, then others ascending."""
-        e, r = self.num_experts, self.num_ranks
-        home = torch.arange(e) // self.experts_per_rank
-        others = torch.arange(r - 1).unsqueeze(0)
+        e, r, dev = self.num_experts, self.num_ranks, self.alloc.device
+        home = torch.arange(e, device=dev) // self.experts_per_rank
+        others = torch.arange(r - 1, device=dev).unsqueeze(0)
         others = others + (others >= home.unsqueeze(1)).long()
         return torch.cat([home.unsqueeze(1), others], dim=1)
 
@@ -225,42 +226,59 @@ def _cumulative(plan: ReplicaPlan, counts: Tensor) -> tuple[Tensor, Tensor, Tens
 
 def assign_tokens(plan: ReplicaPlan, counts: Tensor, src_rank: int,
                   experts: Tensor | None = None) -> Assignment:
-    """Destinations of source rank `src_rank`'s pairs.
+    """Destinations of source rank `src_rank`'s pairs (validated host entry to `assign_pairs`).
 
-    A pair of expert e at global position g of e's stream (ordered by source rank, then local
-    order) goes to the first destination d in `plan.dest_order()[e]` with cumsum(alloc) > g, at row
-    g - (cumsum before d) of e's segment there. experts: the expert id of each pair in local order
-    (e.g. ``topk_idx.flatten()``; its bincount must equal ``counts[src_rank]``); None means the
-    pairs in expert-sorted order (all of expert 0's, then expert 1's, ...).
+    experts: the expert id of each pair in local order (e.g. ``topk_idx.flatten()``; its bincount
+    must equal ``counts[src_rank]``); None means the pairs in expert-sorted order (all of expert
+    0's, then expert 1's, ...).
     """
     counts = _check_counts(counts)
     row = counts[src_rank]
-    first = row.cumsum(0) - row
-    n = int(row.sum())
     if experts is None:
         experts = torch.repeat_interleave(torch.arange(plan.num_experts), row)
-        local = torch.arange(n) - first[experts]
     else:
-        experts = experts.flatten().to(torch.int64)
+        experts = experts.flatten().to("cpu", torch.int64)
         if not torch.equal(torch.bincount(experts, minlength=plan.num_experts), row):
             raise ValueError("experts do not match counts[src_rank]")
-        perm = torch.argsort(experts, stable=True)
-        local = torch.empty_like(experts)
-        local[perm] = torch.arange(n) - first[experts[perm]]
+    if not torch.equal(counts.sum(0), plan.alloc.sum(1)):
+        raise ValueError("counts are not the counts this plan was made from")
+    return assign_pairs(plan, counts, src_rank, experts)
+
+
+def assign_pairs(plan: ReplicaPlan, counts: Tensor, src_rank: int, experts: Tensor
+                 ) -> Assignment:
+    """`assign_tokens` without checks or host reads: every input on one device, any device.
+
+    A pair of expert e at global position g of e's stream (ordered by source rank, then local
+    order) goes to the first destination d in `plan.dest_order()[e]` with cumsum(alloc) > g, at row
+    g - (cumsum before d) of e's segment there: one `searchsorted` over the cumulative allocs laid
+    end to end (row e shifted by e * span, span = total + 1 as a device scalar)."""
+    counts = counts.to(torch.int64)
+    experts = experts.flatten().to(torch.int64)
+    dev, E, R, epn = experts.device, plan.num_experts, plan.num_ranks, plan.experts_per_rank
+    row = counts[src_rank]
+    first = row.cumsum(0) - row
+    perm = torch.argsort(experts, stable=True)
+    local = torch.empty_like(experts)
+    local[perm] = torch.arange(experts.numel(), device=dev) - first[experts[perm]]
     g = counts[:src_rank].sum(0)[experts] + local
 
-    order, incl, excl = _cumulative(plan, counts)
-    span = int(plan.alloc.sum()) + 1  # row e of the flat key space is [e*span, e*span + total]
-    row_base = torch.arange(plan.num_experts).unsqueeze(1) * span
-    flat = (incl + row_base).flatten()
-    pos = torch.searchsorted(flat, experts * span + g, right=True) - experts * plan.num_ranks
+    order = plan.dest_order()
+    ordered = plan.alloc.gather(1, order)
+    incl = ordered.cumsum(1)
+    excl = incl - ordered
+    span = plan.alloc.sum() + 1  # device scalar: row e of the key space is [e*span, e*span+total]
+    flat = (incl + torch.arange(E, device=dev).unsqueeze(1) * span).flatten()
+    pos = torch.searchsorted(flat, experts * span + g, right=True) - experts * R
     dest = order[experts, pos]
     offset = g - excl[experts, pos]
 
-    epn = plan.experts_per_rank
-    slot_of = torch.full((plan.num_experts, plan.num_ranks), -1, dtype=torch.int64)
-    r_idx, j_idx = (plan.replica_slots >= 0).nonzero(as_tuple=True)
-    slot_of[plan.replica_slots[r_idx, j_idx], r_idx] = j_idx
+    # slot_of[e, r]: replica slot of expert e on rank r; row E absorbs the empty (-1) slots
+    slots = plan.replica_slots
+    slot_of = torch.full((E + 1, R), -1, dtype=torch.int64, device=dev)
+    rank_idx = torch.arange(R, device=dev).unsqueeze(1).expand_as(slots)
+    slot_idx = torch.arange(epn, device=dev).expand_as(slots)
+    slot_of[torch.where(slots >= 0, slots, E), rank_idx] = slot_idx
     group = torch.where(dest == experts // epn, experts % epn, epn + slot_of[experts, dest])
     return Assignment(dest, group, offset)
 

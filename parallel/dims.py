@@ -6,10 +6,12 @@ when dp_replicate > 1); tensor parallelism shards heads and MLP columns with seq
 parallelism between them (`parallel.tensor_parallel`); pipeline parallelism splits the layers
 into stages (`parallel.pipeline`); expert parallelism splits the dp_shard x tp ranks into (edp, ep):
 routed experts are sharded over the ep ranks (MoonEP dispatch) and by FSDP over the edp ranks,
-on an expert mesh `[pp, edp, ep]` over the same ranks. EP borrows the tp ranks (Megatron's
-expert-tensor-parallel size 1): in the sequence-parallel region every tp rank routes its own
-tokens, so the tp ranks of a group are as good as data-parallel ranks to the experts, and no
-expert is replicated over tp. Every check is a one-line error naming the field.
+on an expert mesh `[pp, dp_replicate, edp, ep]` over the same ranks; with dp_replicate > 1 the
+experts' FSDP is HSDP over (dp_replicate, edp), so replica groups all-reduce expert gradients.
+EP borrows the tp ranks (Megatron's expert-tensor-parallel size 1): in the sequence-parallel
+region every tp rank routes its own tokens, so the tp ranks of a group are as good as
+data-parallel ranks to the experts, and no expert is replicated over tp. Every check is a
+one-line error naming the field.
 """
 
 from __future__ import annotations
@@ -78,12 +80,12 @@ class ParallelDims:
             raise ConfigError("parallel.pp_schedule=ZBVZeroBubble needs "
                               "parallel.pp_virtual_stages=2 (the V shape)")
         expert_ranks = dims.dp_shard * dims.tp
-        if dims.ep > 1 and (expert_ranks % dims.ep or dims.dp_replicate != 1):
+        if dims.ep > 1 and expert_ranks % dims.ep:
             raise ConfigError(
                 f"parallel.ep={dims.ep} must divide parallel.dp_shard x parallel.tp = "
-                f"{dims.dp_shard} x {dims.tp} = {expert_ranks} with dp_replicate=1 (experts "
-                f"are sharded over ep ranks and by FSDP over the other {expert_ranks} / ep); "
-                f"use a divisor of {expert_ranks} or parallel.ep=1")
+                f"{dims.dp_shard} x {dims.tp} = {expert_ranks} (experts are sharded over ep "
+                f"ranks and by FSDP over the other {expert_ranks} / ep, inside each of the "
+                f"dp_replicate groups); use a divisor of {expert_ranks} or parallel.ep=1")
         return dims
 
     @property
@@ -99,8 +101,9 @@ class ParallelDims:
     @property
     def expert_grad_divisor(self) -> float:
         """What is left of the data-parallel loss factor on expert gradients after FSDP averaged
-        them over edp: the loss is pre-multiplied by dp, so dp / edp (= ep / tp)."""
-        return self.dp / self.edp
+        them over dp_replicate x edp (HSDP; neither when both are 1): the loss is pre-multiplied
+        by dp = dp_replicate x dp_shard, so dp_shard / edp (= ep / tp)."""
+        return self.dp_shard / self.edp
 
     @property
     def num_stages(self) -> int:
@@ -157,10 +160,14 @@ class ParallelDims:
                         dp_group=dp_flat.get_group(), batch_group=batch.get_group(),
                         dp_rank=dp_rank, pp_rank=world.get_local_rank("pp"))
         if self.ep > 1:  # the same ranks in the same order, dp_shard x tp split into (edp, ep)
-            experts = init_device_mesh(device_type, (self.pp, self.edp, self.ep),
-                                       mesh_dim_names=("pp", "edp", "ep"))
+            experts = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.edp,
+                                                     self.ep),
+                                       mesh_dim_names=("pp", "dp_replicate", "edp", "ep"))
             meshes.ep = experts["ep"]
-            meshes.edp = experts["edp"] if self.edp > 1 else None
+            if self.dp_replicate > 1:  # HSDP of the experts: replicas all-reduce their grads
+                meshes.edp = experts["dp_replicate", "edp"]
+            elif self.edp > 1:
+                meshes.edp = experts["edp"]
         return meshes
 
 
@@ -179,4 +186,4 @@ class Meshes:
     batch_group: object
     dp_rank: int
     pp_rank: int
-    edp: object | None = None  # FSDP mesh of the routed experts when ep < dp_shard x tp
+    edp: object | None = None  # FSDP mesh of the routed experts: edp, or (dp_replicate, edp)

@@ -15,37 +15,61 @@ data-parallel loss factor FSDP did not (see there).
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from model.moe import in_recomputation
-from moonep import MoonEPDispatcher, max_over_mean, static_load
+from moonep import MoonEPDispatcher, static_load
 
 EXPERT_PARAMS = ("w1", "w3", "w2")
 
 
-class ExpertParallelDispatcher:
-    """The model's dispatcher contract on top of `MoonEPDispatcher` (DTensor experts -> local)."""
+def _max_over_mean(load: torch.Tensor) -> torch.Tensor:
+    """0-dim float64 max(load) / mean(load) on load's device (1 for an all-zero load)."""
+    load = load.double()
+    mean = load.mean()
+    return torch.where(mean == 0, torch.ones_like(mean), load.max() / mean.clamp(min=1e-30))
 
-    def __init__(self, group, num_experts: int, replicas: bool, pad_multiple: int = 1) -> None:
+
+class ExpertParallelDispatcher:
+    """The model's dispatcher contract on top of `MoonEPDispatcher` (DTensor experts -> local).
+
+    With activation checkpointing (`reuse_plans`), every training forward's route is kept and the
+    recompute in backward takes them back in order (first in, first out: backward visits a
+    layer's micro-batches in forward order under gradient accumulation and every pipeline
+    schedule), so the recompute neither plans, nor exchanges counts, nor reads the host again.
+    Load statistics stay on the device until `ep_load_metrics` reads them once per step."""
+
+    def __init__(self, group, num_experts: int, replicas: bool, pad_multiple: int = 1,
+                 reuse_plans: bool = False) -> None:
         self.inner = MoonEPDispatcher(group, num_experts, replicas=replicas,
                                       pad_multiple=pad_multiple)
+        self.reuse_plans = reuse_plans
+        self.saved_routes: deque = deque()
         self.reset_load_stats()
 
     def reset_load_stats(self) -> None:
-        # sums over dispatches of max/mean EP-rank load without and with replicas, and the count
-        self.load_stats = [0.0, 0.0, 0]
+        # device sums over dispatches of max/mean EP-rank load without and with replicas
+        self.load_sum: torch.Tensor | None = None
+        self.load_count = 0
+        self.saved_routes.clear()  # a forward without backward must not shift the next step
 
-    def dispatch(self, x, topk_idx, topk_weight):
-        x_grouped, sizes, handle = self.inner.dispatch(x, topk_idx, topk_weight)
-        if in_recomputation():  # activation-checkpoint recompute: already counted
-            return x_grouped, sizes, handle
-        plan = handle.plan
-        self.load_stats[0] += max_over_mean(static_load(plan.alloc.sum(1), plan.num_ranks))
-        self.load_stats[1] += max_over_mean(plan.rank_load)
-        self.load_stats[2] += 1
-        return x_grouped, sizes, handle
+    def dispatch(self, x, topk_idx, topk_weight, during=None):
+        if in_recomputation():  # activation-checkpoint recompute: reuse the forward's route
+            route = self.saved_routes.popleft() if self.saved_routes else None
+            return self.inner.dispatch(x, topk_idx, topk_weight, route, during)
+        route = self.inner.route(topk_idx)
+        if self.reuse_plans and torch.is_grad_enabled():
+            self.saved_routes.append(route)
+        plan = route.plan
+        static = static_load(plan.alloc.sum(1), plan.num_ranks)
+        loads = torch.stack([_max_over_mean(static), _max_over_mean(plan.rank_load)])
+        self.load_sum = loads if self.load_sum is None else self.load_sum + loads
+        self.load_count += 1
+        return self.inner.dispatch(x, topk_idx, topk_weight, route, during)
 
     def combine(self, y, handle):
         return self.inner.combine(y, handle)
@@ -56,9 +80,11 @@ class ExpertParallelDispatcher:
         return self.inner.gather_expert_weights(handle, *local)
 
 
-def apply_expert_parallel(model: nn.Module, mesh, replicas: bool = True) -> set[nn.Parameter]:
+def apply_expert_parallel(model: nn.Module, mesh, replicas: bool = True,
+                          reuse_plans: bool = False) -> set[nn.Parameter]:
     """Shard routed experts over `mesh` (1-D, the EP ranks, which may include tp ranks: each
-    routes its own sequence slice); returns the expert parameters."""
+    routes its own sequence slice); returns the expert parameters. `reuse_plans`: the layers are
+    activation-checkpointed, so recomputes reuse the forward's routes."""
     params: set[nn.Parameter] = set()
     for moe in model.moe_layers():  # type: ignore[union-attr]
         experts = moe.experts
@@ -69,7 +95,7 @@ def apply_expert_parallel(model: nn.Module, mesh, replicas: bool = True) -> set[
             setattr(experts, name, sharded)
             params.add(sharded)
         moe.dispatcher = ExpertParallelDispatcher(mesh.get_group(), experts.w1.shape[0],
-                                                  replicas)
+                                                  replicas, reuse_plans=reuse_plans)
     return params
 
 
@@ -82,15 +108,18 @@ def expert_parameters(model: nn.Module) -> set[nn.Parameter]:
 def ep_load_metrics(model: nn.Module) -> dict[str, list[float] | float]:
     """Per-MoE-layer EP-rank load max/mean since the last call (before and after replicas),
     averaged over the step's dispatches, plus their means over layers; resets the counters."""
-    static, replicated = [], []
-    for moe in model.moe_layers():  # type: ignore[union-attr]
-        d = moe.dispatcher
-        if isinstance(d, ExpertParallelDispatcher) and d.load_stats[2]:
-            static.append(d.load_stats[0] / d.load_stats[2])
-            replicated.append(d.load_stats[1] / d.load_stats[2])
+    dispatchers = [moe.dispatcher for moe in model.moe_layers()]  # type: ignore[union-attr]
+    dispatchers = [d for d in dispatchers if isinstance(d, ExpertParallelDispatcher)]
+    used = [d for d in dispatchers if d.load_count]
+    if not used:
+        for d in dispatchers:
             d.reset_load_stats()
-    if not static:
         return {}
+    means = torch.stack([d.load_sum / d.load_count for d in used]).tolist()  # one host read
+    for d in dispatchers:
+        d.reset_load_stats()
+    static = [m[0] for m in means]
+    replicated = [m[1] for m in means]
     return {"ep_rank_load_static": static, "ep_rank_load_replicated": replicated,
             "ep_rank_load_static_mean": sum(static) / len(static),
             "ep_rank_load_replicated_mean": sum(replicated) / len(replicated)}

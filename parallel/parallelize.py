@@ -93,7 +93,9 @@ def shard_on_meta(job, dims: ParallelDims, meshes: Meshes, pp_rank: int, log=pri
         out.stages = stage_indices(pp_rank, dims.pp, dims.num_stages, dims.pp_schedule)
         prune_to_stages(model, out.splits, out.stages)
     if dims.expert_parallel:
-        out.expert_params = apply_expert_parallel(model, meshes.ep, job.parallel.ep_replicas)
+        out.expert_params = apply_expert_parallel(
+            model, meshes.ep, job.parallel.ep_replicas,
+            reuse_plans=job.parallel.activation_checkpoint != "none")
     p = job.precision
     if p.gemm == "mxfp8":
         converted = apply_mxfp8(model, p.targets, p.mx_mode, p.wgrad_hp)
@@ -109,7 +111,7 @@ def shard_on_meta(job, dims: ParallelDims, meshes: Meshes, pp_rank: int, log=pri
         apply_compile(layers, job.parallel.compile_backend)
     reshard = job.parallel.reshard_after_forward and dims.pp == 1
     ignored = out.expert_params
-    if meshes.edp is not None:  # experts: FSDP over the expert-data-parallel ranks
+    if meshes.edp is not None:  # experts: FSDP (HSDP with replicas) over expert-data ranks
         kw = fsdp_kwargs(meshes.edp, job.cluster.param_dtype, job.cluster.reduce_dtype,
                          reshard_after_forward=reshard, cast_forward_inputs=False)
         for moe in model.moe_layers():

@@ -135,7 +135,9 @@ class SyncCounts:
 
     def metrics(self) -> dict:
         return {"host_syncs_model": self.model.total, "host_syncs_step": self.step.total,
-                "host_syncs_by_op": [f"{k}={v}" for k, v in sorted(self.step.counts.items())]}
+                "host_syncs_by_op": [f"{k}={v}" for k, v in sorted(self.step.counts.items())],
+                "host_syncs_model_by_op": [f"{k}={v}"
+                                           for k, v in sorted(self.model.counts.items())]}
 
 
 def train_step(pm: ParallelModel, optimizer: torch.optim.Optimizer, batches: list[dict],

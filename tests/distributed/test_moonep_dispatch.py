@@ -160,9 +160,72 @@ def _all_cases(rank: int, world: int) -> None:
     _reference_cases(rank, world)
     _edge_cases(rank, world)
     _fp8_payload(rank, world)
+    _host_reads_collectives_and_reuse(rank, world)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_moonep_dispatch_matches_local_reference(world: int) -> None:
     """One spawn per world size (~3-6 s of start-up each) runs every case."""
     run_ranks(_all_cases, world)
+
+
+
+def _host_reads_collectives_and_reuse(rank: int, world: int) -> None:
+    """One dispatch reads the host once; a layer's forward is 1 all_gather + 3 all-to-alls
+    (tokens, all replica weights in one, combine) and its backward 3 all-to-alls, every payload
+    in the bf16 of x and the weights (replica gradients are not widened to fp32 on the wire);
+    a saved route (activation-checkpoint recompute) reproduces the dispatch with no host read."""
+    import torch.distributed as dist
+
+    from moonep import MoonEPDispatcher, dispatch, replicas
+    from train.host_syncs import HostSyncCounter
+
+    p = _problem(world, [6] * world, "hot")
+    disp = MoonEPDispatcher(None, EPN * world, replicas=True)
+    rows = slice(6 * rank, 6 * rank + 6)
+    idx, wts = p["idx"][rows], p["wts"][rows]
+    with HostSyncCounter() as c:
+        route = disp.route(idx)
+    assert dict(c.counts) == {"Tensor.tolist": 1}, dict(c.counts)
+
+    calls: list[tuple[str, torch.dtype]] = []
+    real_a2a, real_gather = dist.all_to_all_single, dispatch._all_gather_single
+
+    def a2a(out, inp, *a, **kw):
+        calls.append(("all_to_all", inp.dtype))
+        return real_a2a(out, inp, *a, **kw)
+
+    def gather(out, inp, *a, **kw):
+        calls.append(("all_gather", inp.dtype))
+        return real_gather(out, inp, *a, **kw)
+
+    sent = []
+    real_rows = replicas.all_to_all_rows
+
+    def send_rows(t, *a, **kw):
+        sent.append(t.dtype)
+        return real_rows(t, *a, **kw)
+
+    dist.all_to_all_single, dispatch._all_gather_single = a2a, gather
+    replicas.all_to_all_rows = send_rows
+    try:
+        home = slice(rank * EPN, (rank + 1) * EPN)
+        ws = [w[home].to(torch.bfloat16).requires_grad_() for w in p["ws"]]
+        x = p["x"][rows].to(torch.bfloat16).requires_grad_()
+        out, _, _ = _moe(disp, x, idx, wts, ws, disp.gather_expert_weights)
+        assert [n for n, _ in calls] == ["all_gather", "all_to_all", "all_to_all",
+                                         "all_to_all"], calls
+        calls.clear()
+        out.sum().backward()
+        assert [n for n, _ in calls] == ["all_to_all"] * 3, calls
+    finally:
+        dist.all_to_all_single, dispatch._all_gather_single = real_a2a, real_gather
+        replicas.all_to_all_rows = real_rows
+    assert sent == [torch.bfloat16] * 6, sent
+    assert all(w.grad.dtype == torch.bfloat16 for w in ws)
+
+    x = p["x"][rows]
+    fresh, sizes, _ = disp.dispatch(x, idx, wts)
+    with HostSyncCounter() as c:
+        again, sizes2, _ = disp.dispatch(x, idx, wts, route)
+    assert c.total == 0 and torch.equal(fresh, again) and torch.equal(sizes, sizes2)

@@ -3,8 +3,10 @@ layout trains to the same per-step losses, gradient norms and parameters as one 
 verification mode, as the TP/PP layouts in `test_tensor_pipeline.py`), with balanced EP ranks
 and the same Quantile-Balancing biases. Losses alone would not do: multiplying every routed-
 expert gradient by 4 moves 6-step debug losses by only 1.8e-5, but the gradient norm by far more
-than the 1e-6 bound here. An EP checkpoint resuming on one rank: `test_tensor_pipeline.py`
-(tp2 x dp2 x ep2 -> one rank)."""
+than the 1e-6 bound here. ep4 x tp2 also runs full activation checkpointing, whose recompute
+reuses the forward's MoonEP routes; dp_replicate 2 x ep 2 is HSDP with EP inside each replica
+group. A short fp32 run counts host reads: one per MoE layer and micro-batch. An EP checkpoint
+resuming on one rank: `test_tensor_pipeline.py` (tp2 x dp2 x ep2 -> one rank)."""
 
 from __future__ import annotations
 
@@ -19,9 +21,14 @@ LAYOUTS = {
     "ep4": (["parallel.ep=4"], 4),
     # 4 data ranks, experts over 2 ep ranks and FSDP-sharded over the 2 expert-data ranks
     "ep2_edp2": (["parallel.ep=2"], 4),
-    # dp_shard 2 x tp 2: the ep group spans both dp and both tp ranks (ep borrows tp ranks)
-    "ep4_tp2": (["parallel.ep=4", "parallel.tp=2"], 4),
+    # dp_shard 2 x tp 2: the ep group spans both dp and both tp ranks (ep borrows tp ranks);
+    # 2 micro-batches per step, recomputed in backward with the forward's routes
+    "ep4_tp2": (["parallel.ep=4", "parallel.tp=2", "parallel.activation_checkpoint=full"], 4),
+    # HSDP x EP: two replica groups of dp_shard 2 = ep 2; expert grads all-reduced over replicas
+    "hsdp2_ep2": (["parallel.dp_replicate=2", "parallel.ep=2"], 4),
 }
+SYNCS = ["train.steps=2", "parallel.ep=2", "parallel.activation_checkpoint=selective",
+         "train.count_host_syncs=true"]
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +38,8 @@ def runs(tmp_path_factory):
     pretrain(out["ref"], *ARGS)
     for name, (extra, nproc) in LAYOUTS.items():
         pretrain(out[name], *ARGS, *extra, nproc=nproc, timeout=600)
+    out["syncs"] = root / "syncs"
+    pretrain(out["syncs"], *SYNCS, nproc=2, timeout=600)
     return out
 
 
@@ -72,3 +81,11 @@ def test_quantile_balancing_equal_under_ep(runs):
         biases.append(torch.stack([m.gate.e_score_correction_bias for m in model.moe_layers()]))
     assert biases[0].abs().max() > 0
     torch.testing.assert_close(biases[0], biases[1], rtol=0, atol=1e-9)
+
+
+def test_one_host_read_per_moe_layer(runs):
+    """fp32 (no float64 reference GEMMs), 2 ranks x 2 micro-batches, selective checkpointing:
+    the model reads the host once per MoE layer and micro-batch (the dispatch's split sizes) and
+    never in the recompute, which reuses the forward's route."""
+    for m in metrics(runs["syncs"]):
+        assert m["host_syncs_model_by_op"] == [f"Tensor.tolist={7 * 2}"], m

@@ -93,6 +93,8 @@ def test_expert_parallel_borrows_tp_ranks():
     assert (d.dp_shard, d.edp, d.expert_grad_divisor) == (4, 2, 2.0)
     d = dims(4, tp=4, ep=2)  # ep inside a tp group
     assert (d.dp_shard, d.edp, d.expert_grad_divisor) == (1, 2, 0.5)
+    d = dims(8, dp_replicate=2, ep=2)  # HSDP x EP: each replica group is its own ep x edp
+    assert (d.dp, d.dp_shard, d.edp, d.expert_grad_divisor) == (8, 4, 2, 2.0)
     with pytest.raises(ConfigError, match=r"parallel.ep=4 must divide .* = 6") as e:
         dims(6, tp=2, ep=4)
     assert "\n" not in str(e.value)
