@@ -34,6 +34,7 @@ bytes, so an fp8 x works, but scales are the caller's business). `moonep` never 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -49,8 +50,10 @@ from moonep.replicas import AllToAllRows, ReplicaRoutes, fetch_replicas, route_s
 __all__ = ["MoonEPDispatcher", "MoonEPHandle", "MoonEPRoute", "receive_blocks", "static_plan"]
 
 
-# torch >= 2.13 renames all_gather_into_tensor (deprecated there) to all_gather_single
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+def _all_gather_single(out: Tensor, inp: Tensor, group: dist.ProcessGroup | None) -> None:
+    """torch >= 2.13 renames all_gather_into_tensor (deprecated there) to all_gather_single."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, inp, group=group)
 
 
 def _combine_dtype(topk_weight: Tensor) -> Tensor:
@@ -172,7 +175,10 @@ class MoonEPDispatcher:
         if not self.replicas:
             return static_plan(counts, self.num_ranks), torch.ones((), dtype=torch.bool,
                                                                    device=counts.device)
-        return plan_replicas_device(counts, self.num_ranks)
+        # K3_MOONEP_PLANNER=torch|triton|auto picks the device planner's backend (auto: the
+        # Triton kernel on CUDA, the tensor loop elsewhere)
+        return plan_replicas_device(counts, self.num_ranks,
+                                    backend=os.environ.get("K3_MOONEP_PLANNER", "auto"))
 
     def route(self, topk_idx: Tensor) -> MoonEPRoute:
         """Plan, assign and lay out one call's pairs; one host read (see the module docstring)."""

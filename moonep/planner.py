@@ -24,9 +24,12 @@ Complexity: step 1 O(R_src*E) tensor ops; step 2 at most R heap steps, O(R log R
 filled at most once); step 3 at most E + R heap steps, O((E + R) log epn), in Python ints (a
 greedy is sequential); assign_tokens O(n log(E*R)) for n pairs; pair_traffic O(R_src*E*R).
 
+`assign_pairs` is `assign_tokens` without validation or host reads (any device), and
+`moonep.device_planner.plan_replicas_device` is this planner on the device, bit-equal to it.
+
 Deliberately not here: communication (dispatch, combine, weight fetch, gradient reduce), padding
-segments to a token multiple, dedup of a token sent to several experts on one rank, a GPU kernel
-(inputs are moved to the host and plans are CPU tensors; the greedy steps are host-side).
+segments to a token multiple, dedup of a token sent to several experts on one rank. This host
+planner is the oracle: its inputs go to the CPU and its greedy steps run in Python ints.
 """
 
 from __future__ import annotations

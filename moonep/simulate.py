@@ -19,6 +19,12 @@ MoE layer's forward of one micro-batch, summed over all ranks:
 * token_bytes_per_step: 2 × (pairs whose destination rank != source rank) × hidden × bytes, i.e.
   latent activations moved by dispatch and by combine. Per pair, an upper bound: no dedup of a
   token sent to several experts on one rank. token_bytes_per_step_static: the same without replicas.
+* plan_ms_host (= planner_ms, kept for compatibility): median time of the host `plan_replicas`.
+  plan_ms_device: median time of `plan_replicas_device(..., backend="torch")` on this machine's
+  CPU tensors (the sync-free planner; on a GPU the Triton backend replaces it).
+  plan_ops_device: aten ops (views excluded) one such call dispatches, a fixed count for a given
+  (E, R) whatever the counts. device_equals_host: its alloc, replica_slots and rank_load equal the
+  host plan's bit for bit and its `ok` flag is True.
 
 Deliberately not: communication, timing of GEMMs, or tokens per rank varying inside a step.
 """
@@ -34,6 +40,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from moonep.device_planner import plan_replicas_device, planner_launches
 from moonep.planner import max_over_mean, pair_traffic, plan_replicas, static_load
 
 
@@ -107,6 +114,15 @@ def simulate(args: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         plan = plan_replicas(counts, args.ranks, capacity=capacity)
         times.append(time.perf_counter() - t0)
+    device_plan, ok = plan_replicas_device(counts, args.ranks, backend="torch")  # warm-up
+    device_times = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        device_plan, ok = plan_replicas_device(counts, args.ranks, backend="torch")
+        device_times.append(time.perf_counter() - t0)
+    device_equal = bool(ok) and all(
+        torch.equal(getattr(plan, k), getattr(device_plan, k))
+        for k in ("alloc", "replica_slots", "rank_load"))
     traffic = pair_traffic(plan, counts)
     remote = int(traffic.sum() - traffic.diagonal().sum())
     epn = args.experts // args.ranks
@@ -130,6 +146,10 @@ def simulate(args: argparse.Namespace) -> dict:
         "token_bytes_per_step_static": remote_static * token_bytes,
         "remote_pair_fraction": round(remote / max(1, int(counts.sum())), 4),
         "planner_ms": round(1e3 * sorted(times)[len(times) // 2], 3),
+        "plan_ms_host": round(1e3 * sorted(times)[len(times) // 2], 3),
+        "plan_ms_device": round(1e3 * sorted(device_times)[len(device_times) // 2], 3),
+        "plan_ops_device": planner_launches(counts, args.ranks, backend="torch"),
+        "device_equals_host": device_equal,
     }
 
 
