@@ -10,7 +10,10 @@ backward; wrappers on the `torch.distributed` collectives):
 * host_reads_forward / host_reads_backward (the worst rank) and rank 0's by name: where a GPU
   would wait for the host;
 * collectives_forward / collectives_backward: rank 0's sequence of collectives, each with its
-  payload bytes summed over all ranks.
+  payload bytes summed over all ranks;
+* route_ops: aten ops (views excluded; about one kernel each on a GPU) of one `route` call, of
+  which route_planner_ops are the device planner's torch backend (on CUDA its Triton backend
+  is 47 ops: `moonep.device_planner.planner_launches`).
 Counts do not depend on the shape (bytes do; `python -m moonep.simulate` gives K3-shape bytes).
 The dispatcher's API is the one `model.moe` uses (dispatch, gather_expert_weights, combine), so
 the script also measures older moonep versions (PYTHONPATH to their checkout).
@@ -29,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -51,6 +55,10 @@ def _layer(rank: int, args: argparse.Namespace, out_q) -> None:
           for shape in ((M, L), (M, L), (L, M))]
     disp = MoonEPDispatcher(None, E, replicas=True, pad_multiple=args.pad)
 
+    ops = _OpCount()
+    if hasattr(disp, "route"):  # the device-side work of one route (this machine: torch backend)
+        with ops:
+            disp.route(idx)
     calls: list[dict] = []
 
     def wrap(name):
@@ -82,7 +90,21 @@ def _layer(rank: int, args: argparse.Namespace, out_q) -> None:
     finally:
         for name, real in saved.items():
             setattr(dist, name, real)
-    out_q.put((rank, {"fwd": dict(fwd.counts), "bwd": dict(bwd.counts)}, coll_fwd, coll_bwd))
+    out_q.put((rank, {"fwd": dict(fwd.counts), "bwd": dict(bwd.counts), "route_ops": ops.n},
+               coll_fwd, coll_bwd))
+
+
+class _OpCount(TorchDispatchMode):
+    """aten ops dispatched (views excluded): on a GPU, about one kernel launch each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            self.n += 1
+        return func(*args, **(kwargs or {}))
 
 
 def _entry(rank: int, args: argparse.Namespace, port: int, out_q) -> None:
@@ -119,6 +141,12 @@ def main() -> None:
     per_rank = sorted(out_q.get(timeout=10) for _ in range(args.ranks))
     result = {"ranks": args.ranks, "experts": args.experts, "tokens_per_rank": args.tokens,
               "topk": args.topk}
+    result["route_ops"] = per_rank[0][1]["route_ops"]
+    if result["route_ops"]:
+        from moonep.device_planner import planner_launches
+
+        counts = torch.randint(0, 9, (args.ranks, args.experts))
+        result["route_planner_ops"] = planner_launches(counts, args.ranks, backend="torch")
     for i, phase in enumerate(("forward", "backward")):
         reads = [r[1]["fwd" if i == 0 else "bwd"] for r in per_rank]
         result[f"host_reads_{phase}"] = max(sum(c.values()) for c in reads)  # the worst rank
