@@ -27,7 +27,7 @@ LAYOUTS = {
     # HSDP x EP: two replica groups of dp_shard 2 = ep 2; expert grads all-reduced over replicas
     "hsdp2_ep2": (["parallel.dp_replicate=2", "parallel.ep=2"], 4),
 }
-SYNCS = ["train.steps=2", "parallel.ep=2", "parallel.activation_checkpoint=selective",
+SYNCS = ["train.steps=1", "parallel.ep=2", "parallel.activation_checkpoint=selective",
          "train.count_host_syncs=true"]
 
 
