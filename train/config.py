@@ -96,6 +96,8 @@ class TrainConfig:
     # count host synchronisations per step (train.host_syncs): host_syncs_model (inside the
     # model's forward + backward, 0 without EP) and host_syncs_step (the whole step), by op
     count_host_syncs: bool = False
+    # [a, b]: torch.profiler trace of steps a..b (1-based) into <run dir>/profile/ (train.profiling)
+    profile_steps: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -196,6 +198,11 @@ def validate_job(job: JobConfig, world_size: int) -> JobConfig:
     _need(0 < o.decay_frac <= 1, f"optim.decay_frac={o.decay_frac} must be in (0, 1]")
     _need(o.grad_clip >= 0, f"optim.grad_clip={o.grad_clip} must be >= 0 (0 disables)")
     _need(t.steps > 0, f"train.steps={t.steps} must be > 0")
+    ps = list(t.profile_steps or [])
+    _need(not ps or (len(ps) == 2 and all(isinstance(v, int) for v in ps)
+                     and 1 <= ps[0] <= ps[1] <= t.steps),
+          f"train.profile_steps={ps} must be [first, last] with 1 <= first <= last <= "
+          f"train.steps={t.steps}, e.g. train.profile_steps=[3,4]")
     _need(t.stop_at_step is None or 0 < t.stop_at_step <= t.steps,
           f"train.stop_at_step={t.stop_at_step} must be in 1..train.steps={t.steps}")
     _need(k.interval > 0, f"checkpoint.interval={k.interval} must be > 0")

@@ -12,7 +12,9 @@ Counting convention (training = forward + backward = 3 x forward, 2 FLOPs per mu
 * MLA: per token and head, QK^T costs 2*d_qk and AV 2*d_v FLOPs per visible key; a causal
   sequence of length T sees T/2 keys on average, so the forward is H*(d_qk+d_v)*T and training
   3*H*(d_qk+d_v)*T. (torchtitan's 12*L*H*Q*T is the same count without the causal halving: our
-  attention term is half of theirs.) With packed documents pass the mean document length as T.
+  attention term is half of theirs.) With packed documents each document sees only its own
+  keys: `step_flops(cfg, doc_lengths)` sums the attention term per document (sum of L^2), which
+  is what the trainer's MFU and `benchmarks/roofline.py` use.
 * KDA, chunked with chunk size C (`kda_chunk_size`, 64 in K3; capped at T), per token and head,
   forward: 6*d_k*d_v for the three state products (q S, w S, k^T v_new) and 3*C*(d_k + d_v) for
   the intra-chunk causal C x C products (A_qk, A_kk, w = A k on the key side; u = A v,
@@ -84,6 +86,25 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return (6.0 * active_params(cfg)
             + types.count("mla") * mla_flops_per_token(cfg, seq_len)
             + types.count("kda") * kda_flops_per_token(cfg, seq_len))
+
+
+def step_flops(cfg: ModelConfig, doc_lengths) -> float:
+    """Training FLOPs of one batch of packed documents (lengths in tokens; any iterable of ints).
+
+    Weights cost 6 * N_active per token whatever the packing, but attention and KDA see only
+    their own document: a causal MLA layer over a document of length L costs
+    3 * H * (d_qk + d_v) * L^2 (L tokens x L/2 visible keys on average), and KDA's chunk is
+    capped at L. `flops_per_token(cfg, T) * B * T` is the special case of B documents of length T,
+    so packed short documents are not credited with attention they never compute."""
+    lengths = [int(n) for n in doc_lengths if int(n) > 0]
+    if not lengths:
+        return 0.0
+    types = cfg.layer_types
+    n_mla, n_kda = types.count("mla"), types.count("kda")
+    tokens = sum(lengths)
+    attn = sum(n * n for n in lengths) * (mla_flops_per_token(cfg, 1) if n_mla else 0.0)
+    kda = sum(n * kda_flops_per_token(cfg, n) for n in lengths) if n_kda else 0.0
+    return 6.0 * active_params(cfg) * tokens + n_mla * attn + n_kda * kda
 
 
 def mfu(tokens_per_sec: float, flops_per_token: float, peak_flops: float) -> float:

@@ -36,12 +36,13 @@ from parallel.tensor_parallel import allreduce_replicated_grads
 from train.checkpoint import Checkpointer
 from train.config import JobConfig
 from train.distributed import DistEnv
-from train.flops import flops_per_token, mfu, peak_flops
+from train.flops import peak_flops, step_flops
 from train.host_syncs import HostSyncCounter
 from train.layout_images import attnres_weights, router_matrices
 from train.metrics import MetricsLogger, memory_stats
 from train.model_stats import moe_layer_indices
 from train.optim import build_optimizer, build_scheduler
+from train.profiling import StepProfiler, format_summary
 
 
 def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
@@ -71,22 +72,25 @@ def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
         state = _resume(ckpt, latest, model, optimizer, scheduler, loader)
 
     stop = job.train.stop_at_step or job.train.steps
-    fpt = flops_per_token(job.model, job.data.seq_len)
     peak = job.cluster.peak_tflops * 1e12 if job.cluster.peak_tflops else peak_flops(env.device)
     metrics = MetricsLogger(run_dir, env.rank, job.train.steps, _plain(job),
                             wandb_mode=job.metrics.wandb_mode,
                             wandb_project=job.metrics.wandb_project, run_name=job.run.name,
                             console=job.metrics.console)
     metrics.start(state["step"])
+    profiler = StepProfiler(job.train.profile_steps, model, optimizer, run_dir, env.rank,
+                            env.device)
     try:
         while state["step"] < stop:
+            profiler.before_step(state["step"] + 1)
             t0 = time.perf_counter()
             ep_load_metrics(model)  # drop dispatches outside training steps (image forwards)
             batches = loader.next_step()
+            flops = batch_flops(job.model, batches)  # host data: the loader's cu_seqlens
             syncs = SyncCounts() if job.train.count_host_syncs else None
             with syncs.step if syncs else contextlib.nullcontext():
-                loss, _, grad_norm = train_step(pm, optimizer, batches, env, job.optim.grad_clip,
-                                                syncs)
+                loss, _, grad_norm, step_model_flops = train_step(
+                    pm, optimizer, batches, env, job.optim.grad_clip, syncs, flops)
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
             loads = _layer_stats(model, balance_routers(model, meshes.batch_group),
@@ -95,10 +99,16 @@ def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
             state["step"] += 1
             state["tokens_seen"] += job.data.global_batch * job.data.seq_len
             dt = time.perf_counter() - t0
+            summary = profiler.after_step(state["step"])
+            if summary is not None and env.is_main:
+                print(format_summary(summary), flush=True)
+                print(f"profile trace: {run_dir / 'profile'}/trace-rank<r>.json (Perfetto)",
+                      flush=True)
             tps = job.data.global_batch * job.data.seq_len / dt
             scalars = {
                 "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_sec": tps,
-                "mfu": mfu(tps / env.world_size, fpt, peak) if peak else None,
+                "mfu": (step_model_flops / dt / (env.world_size * peak)) if peak else None,
+                "model_flops": step_model_flops,
                 "step_time_s": dt, "tokens_seen": state["tokens_seen"],
                 **loads,
                 **memory_stats(env.device),
@@ -141,19 +151,22 @@ class SyncCounts:
 
 
 def train_step(pm: ParallelModel, optimizer: torch.optim.Optimizer, batches: list[dict],
-               env: DistEnv, grad_clip: float, syncs: SyncCounts | None = None
-               ) -> tuple[float, int, float]:
+               env: DistEnv, grad_clip: float, syncs: SyncCounts | None = None,
+               local_flops: float = 0.0) -> tuple[float, int, float, float]:
     """Forward/backward over this rank's micro-batches (or the pipeline schedule), clip, step.
 
-    Returns (global token-mean loss, global target tokens, gradient norm before clipping).
-    Host reads per step outside the model: the global token count, the loss and the gradient
-    norm (one each), plus the router-balancing ratios after the step.
+    Returns (global token-mean loss, global target tokens, gradient norm before clipping, the
+    sum of `local_flops` over the data-parallel ranks: the global batch's model FLOPs).
+    Host reads per step outside the model: the global token count (with the FLOPs), the loss and
+    the gradient norm (one each), plus the router-balancing ratios after the step.
     """
     in_model = syncs.model if syncs else contextlib.nullcontext()
     model, dims = pm.model, pm.dims
-    counts = torch.tensor([local_target_tokens(batches)], dtype=torch.float64, device=env.device)
+    counts = torch.tensor([local_target_tokens(batches), local_flops], dtype=torch.float64,
+                          device=env.device)
     dist.all_reduce(counts, group=pm.meshes.dp_group)
-    global_tokens = int(counts.item())
+    global_tokens, global_flops = counts.tolist()
+    global_tokens = int(global_tokens)
     scale = dims.dp / max(global_tokens, 1)  # FSDP averages over dp ranks: undo, then / tokens
     if pm.schedule is not None:
         loss_sum = _pipeline_forward_backward(pm, batches, env, scale, in_model)
@@ -177,7 +190,16 @@ def train_step(pm: ParallelModel, optimizer: torch.optim.Optimizer, batches: lis
     norm = clip_grad_norm(model.parameters(), max_norm, dims.pp)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss_sum.item() / max(global_tokens, 1), global_tokens, norm
+    return loss_sum.item() / max(global_tokens, 1), global_tokens, norm, global_flops
+
+
+def batch_flops(cfg, batches: list[dict]) -> float:
+    """Model FLOPs of this rank's micro-batches from their document lengths (host cu_seqlens):
+    `train.flops.step_flops`, so packed short documents are not credited with long attention."""
+    lengths: list[int] = []
+    for b in batches:
+        lengths += b["cu_seqlens"].diff().tolist()
+    return step_flops(cfg, lengths)
 
 
 def _pipeline_forward_backward(pm: ParallelModel, batches: list[dict], env: DistEnv,
