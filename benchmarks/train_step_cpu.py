@@ -1,0 +1,126 @@
+"""CPU training efficiency, measurable on any machine: tokens/s and MFU against this machine's
+own fp32 GEMM rate; prints one JSON line.
+
+    python benchmarks/train_step_cpu.py [--threads N] [--steps 3] [--modes eager,compiled]
+
+What: the `cpu_bench` preset (configs/model/cpu_bench.yaml: hidden 512, KDA + gated MLA,
+AttnRes, latent MoE with shared experts; every component) trains in fp32 on packed documents
+(`--batch` rows of `--seq` tokens, `--docs` uneven documents per row): forward, backward and an
+AdamW step, best of `--steps` timed steps after one warm-up. The GEMM rate is measured in the
+same process at the same thread count: the best of `torch.mm` over the model's own GEMM shapes
+(tokens x hidden x 1408, tokens x hidden x hidden, tokens x 256 x 256 and tokens x hidden x
+vocab), fp32. MFU = model FLOPs of the batch (`train.flops.step_flops`, what the trainer
+reports) / step time / that GEMM rate. `compiled` wraps every decoder layer in
+`torch.compile` (inductor, as `parallel.compile=true` does; the first step compiles).
+Threads default to all cores (`os.cpu_count()`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from model.build import build_model  # noqa: E402
+from model.config import load_model_config  # noqa: E402
+from model.packing import Packing  # noqa: E402
+from parallel.activation_checkpoint import apply_compile  # noqa: E402
+from train.flops import step_flops  # noqa: E402
+
+
+def gemm_rate(tokens: int, shapes: list[tuple[int, int]], repeats: int = 5) -> float:
+    """Best fp32 FLOP/s of torch.mm [tokens, k] x [k, n] over the given (k, n)."""
+    best = 0.0
+    g = torch.Generator().manual_seed(0)
+    for k, n in shapes:
+        a, b = torch.randn(tokens, k, generator=g), torch.randn(k, n, generator=g)
+        torch.mm(a, b)
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            torch.mm(a, b)
+            best = max(best, 2.0 * tokens * k * n / (time.perf_counter() - t0))
+    return best
+
+
+def doc_lengths(seq: int, docs: int) -> list[int]:
+    """`docs` uneven documents filling a row of `seq` tokens (lengths ~ 1, 2, 3, ... parts)."""
+    parts = list(range(1, docs + 1))
+    lengths = [seq * p // sum(parts) for p in parts]
+    lengths[-1] += seq - sum(lengths)
+    return lengths
+
+
+def run_mode(mode: str, args: argparse.Namespace) -> dict:
+    cfg = load_model_config("cpu_bench")
+    model = build_model(cfg, seed=0)
+    model.train()
+    if mode == "compiled":
+        apply_compile(list(model.layers.values()))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(0)
+    B, T = args.batch, args.seq
+    ids = torch.randint(0, 256, (B, T), generator=g)
+    labels = torch.roll(ids, -1, 1)
+    lengths = doc_lengths(T, args.docs) * B
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    packing = Packing.from_host(cu, B, T, torch.device("cpu"))
+
+    def step() -> None:
+        s, n = model(ids, packing, labels=labels)
+        (s / n).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    t0 = time.perf_counter()
+    step()  # warm-up (compiles in `compiled`)
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    best = min(times)
+    flops = step_flops(cfg, lengths)
+    return {"step_s": best, "first_step_s": first, "tokens_per_sec": B * T / best,
+            "model_flops": flops, "achieved_flops": flops / best}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--docs", type=int, default=4, help="documents per row")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--modes", default="eager,compiled")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    cfg = load_model_config("cpu_bench")
+    tokens = args.batch * args.seq
+    rate = gemm_rate(tokens, [(cfg.hidden_size, cfg.intermediate_size),
+                              (cfg.hidden_size, cfg.hidden_size),
+                              (cfg.routed_expert_hidden_size, cfg.moe_intermediate_size),
+                              (cfg.hidden_size, cfg.vocab_size)])
+    out = {"bench": "train_step_cpu", "preset": "cpu_bench", "threads": args.threads,
+           "batch": args.batch, "seq": args.seq, "docs_per_row": args.docs,
+           "gemm_fp32_flops": rate}
+    for mode in args.modes.split(","):
+        try:
+            r = run_mode(mode, args)
+        except Exception as e:  # noqa: BLE001 - a failed mode is a result here
+            out[mode] = {"error": " ".join(f"{type(e).__name__}: {e}".split())[:500]}
+            continue
+        r["mfu_vs_measured_gemm"] = r["achieved_flops"] / rate
+        out[mode] = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
