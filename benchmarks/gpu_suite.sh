@@ -9,7 +9,7 @@
 # Results: $OUT/gpu_suite.jsonl when $OUT is set, else benchmarks/out/gpu_suite.jsonl (one line
 # per stage, then a "summary" line; also echoed), stage logs beside it in gpu_suite_logs/.
 # Stages (benchmarks/gpu/): install, a_env, b_kda, c_grouped_gemm, d_attention, e_loss,
-# h_moonep, f_step, g_launcher. A stage that fails, crashes or times out still leaves a line with "ok": false, and
+# h_moonep, f_step, g_launcher (twice: eager, then compiled when the budget allows). A stage that fails, crashes or times out still leaves a line with "ok": false, and
 # the suite goes on. Each stage gets min(its cap, time left - what later stages need at least);
 # a stage whose minimum no longer fits is skipped. K3_GPU_SUITE_BUDGET (seconds, default 465)
 # bounds the whole run; K3_GPU_SUITE_TMP (default /tmp/k3_gpu_suite) holds the installed
@@ -108,5 +108,8 @@ run_stage loss 60 20 205 e_loss.py "${STAGE_ARGS[@]}"
 run_stage moonep 40 15 190 h_moonep.py "${STAGE_ARGS[@]}"
 run_stage step 210 120 70 f_step.py "${STAGE_ARGS[@]}" --state "$STATE"
 run_stage launcher 150 70 0 g_launcher.py "${STAGE_ARGS[@]}" --state "$STATE"
+# last, and only with time to spare (K3_GPU_SUITE_BUDGET): a compiled k3_small launcher run
+run_stage launcher_compiled 180 90 0 g_launcher.py "${STAGE_ARGS[@]}" --state "$STATE" \
+    --extra parallel.compile=true
 
 emit "$("$PY" benchmarks/gpu/collect.py summary "$RESULTS" "$(($(date +%s) - START))")"

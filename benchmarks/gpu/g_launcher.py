@@ -8,7 +8,9 @@ the same program) with seq_len 4096, global/micro batch 1, no checkpoints, no im
 stdlib corpus and a fresh run.dir under the suite's scratch folder, plus the model overrides
 stage f found necessary (`--state`, e.g. fewer layers). `--small` (CPU): +cluster=local_cpu,
 model=debug, seq_len 128. Reports the exit code, per-step loss, step time, tokens/s, MFU and
-memory from metrics.jsonl, and the output's tail when it failed.
+memory from metrics.jsonl, and the output's tail when it failed. `--extra` adds overrides: the
+suite's `launcher_compiled` stage runs it with `parallel.compile=true` (every decoder layer one
+inductor graph), the check that `parallel.compile` waits for before it becomes a CUDA default.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ def main(ctx: common.Ctx, out: dict) -> bool:
         except (ValueError, KeyError):
             out["state_unreadable"] = ctx.args.state
     run_dir = scratch_dir() / ("launch-run-small" if ctx.small else "launch-run")
+    if ctx.args.extra:
+        run_dir = run_dir.with_name(run_dir.name + "-extra")
     shutil.rmtree(run_dir, ignore_errors=True)
     if ctx.small:
         job = ["+cluster=local_cpu", "model=debug", "data.seq_len=128", "data.global_batch=2",
@@ -43,13 +47,14 @@ def main(ctx: common.Ctx, out: dict) -> bool:
                "data.global_batch=1", "data.micro_batch=1"]
     job += [f"train.steps={STEPS}", "metrics.wandb_mode=disabled", "checkpoint.enabled=false",
             "train.log_images_every=0", "data.stdlib_max_bytes=2000000", f"run.dir={run_dir}",
-            *model_overrides]
+            *model_overrides, *ctx.args.extra]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
            str(common.ROOT / "launch" / "pretrain.py"), *job]
     out["command"] = " ".join(["torchrun", *cmd[3:]])
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "8")}
     rc, so, se, timed_out = common.run_child(cmd, ctx.left() - 5, env=env)
-    out.update(rc=rc, timed_out=timed_out, model_overrides=model_overrides)
+    out.update(rc=rc, timed_out=timed_out, model_overrides=model_overrides,
+               extra=list(ctx.args.extra))
     lines = []
     path = run_dir / "metrics.jsonl"
     if path.is_file():
@@ -76,6 +81,8 @@ def main(ctx: common.Ctx, out: dict) -> bool:
 
 def extra(ap) -> None:
     ap.add_argument("--state", default=None, help="stage f's state file (model overrides)")
+    ap.add_argument("--extra", nargs="*", default=[], help="more overrides, e.g. "
+                    "parallel.compile=true")
 
 
 if __name__ == "__main__":
