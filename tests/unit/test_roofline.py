@@ -1,0 +1,199 @@
+"""benchmarks/roofline.py: the traced op graph's FLOPs, bytes and predicted times on `debug`.
+
+Checked against independent counts: the GEMM FLOPs of a traced step equal 6 x tokens x the
+GEMM parameters (+ the chunked loss's logit recompute), the custom-op formulas agree with
+per-document causal counts and with `train.flops`, one op's time is max(compute, memory) +
+the launch overhead, and the categories add up to the step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from model.decoder import DecoderLayer, K3Model
+from model.moe import RoutedExperts, Router
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("roofline", ROOT / "benchmarks" / "roofline.py")
+roofline = importlib.util.module_from_spec(_spec)
+sys.modules["roofline"] = roofline
+_spec.loader.exec_module(roofline)
+
+SMALL = ["model=debug", "data.seq_len=32", "data.micro_batch=2", "data.docs_per_row=3"]
+FIELDS = ("tokens", "model_flops", "traced_flops", "predicted_step_s", "predicted_mfu", "kernels",
+          "by_category", "non_gemm_fraction", "comm_bytes", "gpu", "preset", "seq_len",
+          "micro_batch")
+
+
+@pytest.fixture(scope="module")
+def debug_step():
+    """The CLI on a small debug step (--table): its JSON line, its table, the op records (kept
+    from the same trace)."""
+    seen = {}
+    analyze = roofline.analyze
+
+    def keep(*args, **kwargs):
+        seen["summary"], seen["records"] = analyze(*args, **kwargs)
+        return seen["summary"], seen["records"]
+
+    out, err = io.StringIO(), io.StringIO()
+    roofline.analyze = keep
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = roofline.main([*SMALL, "--gpu", "h200", "--table"])
+    finally:
+        roofline.analyze = analyze
+    assert rc == 0, err.getvalue()
+    summary = json.loads(out.getvalue().strip().splitlines()[-1])
+    assert summary == json.loads(json.dumps(seen["summary"]))
+    return summary, err.getvalue(), seen["records"], roofline.load_config(SMALL)
+
+
+def test_op_time_is_max_of_compute_and_memory_plus_launch():
+    g = roofline.GPUS["h200"]
+    us = roofline.KERNEL_OVERHEAD_S
+    assert roofline.op_time(790e9, 4.3e6, g, matmul=True) == pytest.approx(1e-3 + us)
+    assert roofline.op_time(790e6, 4.3e9, g, matmul=True) == pytest.approx(1e-3 + us)
+    assert roofline.op_time(67e9, 1.0, g, matmul=False) == pytest.approx(1e-3 + us)  # vector
+    assert roofline.op_time(1e9, 1e9, g, matmul=False, kernels=3) == pytest.approx(
+        max(1e9 / 67e12, 1e9 / 4.3e12) + 3 * us)
+    assert roofline.op_time(1e9, 1e9, g, matmul=True, kernels=0) == 0.0
+    mm = roofline.OpRecord("aten.mm", "gemm", "forward", 1.58e12, 0.0, 4.3e6, 1)
+    add = roofline.OpRecord("aten.add", "elementwise_norm", "forward", 0.0, 1e6, 8.6e9, 1)
+    assert mm.time(g) == pytest.approx(2e-3 + us) and add.time(g) == pytest.approx(2e-3 + us)
+    assert mm.time(roofline.GPUS["b200"]) == pytest.approx(1.58e12 / 1.8e15 + us)
+
+
+def test_linear_forward_backward_gemm_flops_are_6_in_out_tokens():
+    tokens, d_in, d_out = 48, 64, 96
+    lin = nn.Linear(d_in, d_out, bias=False, device="meta").to(torch.bfloat16)
+
+    def forward():
+        lin.to_empty(device="cpu")
+        x = torch.randn(tokens, d_in, dtype=torch.bfloat16, requires_grad=True)
+        return lin(x)
+
+    records = roofline.trace_ops(forward, backward=lambda y: y.backward(torch.ones_like(y)))
+    gemms = [r for r in records if r.category == "gemm"]
+    assert [r.name for r in gemms] == ["aten.mm"] * 3  # y, dx, dw
+    assert sum(r.flops for r in gemms) == 6 * d_in * d_out * tokens
+    fwd = gemms[0]
+    assert fwd.phase == "forward" and fwd.nbytes == 2 * (tokens * d_in + d_in * d_out
+                                                         + tokens * d_out)
+    assert all(r.kernels == 1 for r in gemms)
+
+
+def test_custom_op_formulas_count_causal_pairs_per_document():
+    from model.config import load_model_config
+    from train.flops import kda_flops_per_token
+
+    lengths = [3, 5, 40]
+    f = roofline._Formulas(lengths)
+    N, H, D, Dv = sum(lengths), 4, 24, 16
+    q = torch.empty(N, H, D, device="meta")
+    v = torch.empty(N, H, Dv, device="meta")
+    cu = torch.empty(len(lengths) + 1, dtype=torch.int32, device="meta")
+    pairs = sum(sum(range(1, n + 1)) for n in lengths)  # query i sees keys 0..i of its document
+    assert f("k3.varlen_attention", (q, q, v, cu, 40, 0.1)) == 2 * H * pairs * (D + D)
+    bwd = f("k3.varlen_attention_backward", (v, q, q, v, v, None, cu, 40, 0.1))
+    assert bwd == 2 * H * pairs * (3 * D + 2 * D)
+    cfg = load_model_config("debug")
+    K = cfg.kda_head_dim
+    qk = torch.empty(1, N, cfg.kda_num_heads, K, device="meta")
+    kda = f("k3.chunk_kda_fla", (qk, qk, qk, qk, None, None, cu, None, 0.1, False,
+                                 cfg.kda_chunk_size))
+    assert kda == pytest.approx(sum(n * kda_flops_per_token(cfg, n) / 3 for n in lengths))
+    x, w = torch.empty(10, 8, device="meta"), torch.empty(3, 6, 8, device="meta")
+    assert f("k3.grouped_mm", (x, w, None)) == 2 * 10 * 8 * 6
+    with pytest.raises(ValueError, match="host document lengths"):
+        roofline._Formulas([3, 4])("k3.varlen_attention", (q, q, v, cu, 40, 0.1))
+
+
+def test_debug_step_json_categories_and_mfu(debug_step):
+    summary, table, *_ = debug_step
+    assert all(k in summary for k in FIELDS)
+    assert (summary["gpu"], summary["preset"], summary["seq_len"], summary["micro_batch"]) == (
+        "H200", "debug", 32, 2)
+    assert summary["tokens"] == 64 and sum(summary["doc_lengths"]) == 64
+    cats = summary["by_category"]
+    assert set(cats) == set(roofline.CATEGORIES)
+    assert sum(c["s"] for c in cats.values()) == pytest.approx(summary["predicted_step_s"],
+                                                                rel=1e-12)
+    assert sum(c["kernels"] for c in cats.values()) == summary["kernels"] > 0
+    assert all(cats[c]["s"] > 0 for c in roofline.CATEGORIES)  # debug has every component
+    assert 0 < summary["predicted_mfu"] < 1 and 0 < summary["non_gemm_fraction"] < 1
+    compute = sum(cats[c]["s"] for c in roofline.COMPUTE_CATEGORIES)
+    assert summary["non_gemm_fraction"] == pytest.approx(1 - compute / summary["predicted_step_s"])
+    assert "aten.mm" in table and len(table.strip().splitlines()) == 21  # header + top 20
+
+
+def test_traced_gemm_flops_equal_6_tokens_gemm_params(debug_step):
+    """Independent count: every GEMM weight is used once per token forward and twice backward
+    (routed experts top-k / E of the time); the chunked loss recomputes its logits backward."""
+    summary, _, records, job = debug_step
+    cfg, tokens = job.model, summary["tokens"]
+    model = K3Model(cfg, device="meta")
+    n = 0
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.Linear) and not name.endswith("_res_proj"):
+            n += mod.weight.numel()  # AttnRes pseudo-queries are not GEMMs
+        elif isinstance(mod, Router):
+            n += mod.weight.numel()
+        elif isinstance(mod, RoutedExperts):
+            n += sum(p.numel() for p in mod.parameters()) * cfg.num_experts_per_token \
+                // cfg.num_experts
+    expected = 6 * tokens * n + 2 * cfg.vocab_size * cfg.hidden_size * tokens
+    gemm = sum(r.flops for r in records if r.category == "gemm")
+    assert gemm == pytest.approx(expected, rel=1e-12)
+    assert summary["by_category"]["gemm"]["flops"] == pytest.approx(expected, rel=1e-12)
+    assert summary["model_flops"] > 0
+
+
+@pytest.mark.parametrize("idx,kind,has,lacks", [(0, "kda+dense", "kda", "attention"),
+                                                (3, "mla+moe", "attention", "kda")])
+def test_one_layer_has_its_token_mixer_time(idx, kind, has, lacks):
+    s = roofline.roofline(SMALL, gpu="b200", layer=idx)
+    assert s["layer_kind"] == kind and s["gpu"] == "B200"
+    assert s["by_category"][has]["s"] > 0 and s["by_category"][lacks]["s"] == 0
+    assert s["by_category"]["loss"]["s"] == 0 and s["kernels"] > 0
+    assert 0 < s["predicted_mfu"] < 1
+
+
+def test_layer_model_flops_add_up_to_the_trainers_count():
+    from train.flops import step_flops
+
+    cfg = roofline.load_config(SMALL).model
+    lengths = [11, 21, 32, 16, 16]
+    model = K3Model(cfg, device="meta")
+    layers = sum(roofline._layer_model_flops(cfg, DecoderLayer(cfg, i, "meta"), i, lengths)
+                 for i in range(cfg.num_hidden_layers))
+    root = [model.lm_head, model.norm, model.output_attn_res_norm, model.output_attn_res_proj]
+    rest = 6 * sum(lengths) * sum(p.numel() for m in root for p in m.parameters())
+    assert layers + rest == pytest.approx(step_flops(cfg, lengths), rel=1e-12)
+
+
+def test_comm_bytes_follow_the_layout():
+    job = roofline.load_config([*SMALL, "parallel.tp=2", "parallel.ep=2"], world=4)
+    cfg, d = job.model, job.job.data
+    by_dim, detail = roofline.comm_bytes(job, K3Model(cfg, device="meta"), None)
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    tokens = d.micro_batch * d.seq_len / 2  # per tp rank (sequence parallel)
+    ep_tokens = 2 * 2 * tokens * cfg.num_experts_per_token * cfg.routed_expert_hidden_size * 2 \
+        * (1 / 2) * moe_layers
+    assert detail["ep_tokens"] == round(ep_tokens) and by_dim["ep"] > ep_tokens
+    assert by_dim["tp"] > 0 and by_dim["dp_shard"] > 0 and by_dim["pp"] == 0
+    assert by_dim["dp_replicate"] == 0 and job.dims.edp == 2 and by_dim["edp"] > 0
+    one = roofline.comm_bytes(roofline.load_config(SMALL, world=1),
+                              K3Model(cfg, device="meta"), None)[0]
+    assert all(v == 0 for v in one.values())
+    pp = roofline.load_config([*SMALL, "parallel.pp=2", "data.global_batch=4"], world=2)
+    assert roofline.comm_bytes(pp, K3Model(cfg, device="meta"), None)[0]["pp"] > 0
