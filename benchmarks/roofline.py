@@ -28,9 +28,8 @@ its parameters' optimizer step: needed for the full `k3`, whose whole step is to
 * Forward and backward run under `FakeTensorMode` on CPU-device fake tensors (bf16 parameters
   and activations) inside `model.ops.backends.force_cuda_backends()`, so every op takes its
   CUDA path: `k3::chunk_kda_fla`, `k3::varlen_attention`, `k3::grouped_mm` and their
-  backwards are single opaque ops. One place in the model tests `is_cuda` instead of the forced
-  backends: `model.loss.mm_fp32_out` (bf16 GEMM writing fp32 logits on CUDA, a GEMM plus a cast
-  elsewhere); the trace swaps in its CUDA branch (`torch.mm(out_dtype=)`).
+  backwards are single opaque ops, and the loss's logits are one bf16 GEMM writing fp32
+  (`model.loss.mm_fp32_out`, `torch.mm(out_dtype=)`).
 * The optimizer runs for real on meta-device fp32 master parameters with fp32 gradients (AdamW
   state initialised by one unrecorded step; the CPU step counters it keeps are host ops, not
   kernels). `clip_grad_norm`'s final float() read cannot run on meta: it is the last statement,
@@ -542,27 +541,6 @@ class Trace:
             yield
 
 
-@contextlib.contextmanager
-def _cuda_loss_gemm() -> Iterator[None]:
-    """`model.loss.mm_fp32_out` as it runs on CUDA (one bf16 GEMM writing fp32), whatever the
-    fake tensors' device; the only op choice in model/ made by `is_cuda`."""
-    import model.loss as loss_mod
-
-    orig = loss_mod.mm_fp32_out
-
-    def cuda_branch(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        compute = torch.promote_types(a.dtype, torch.float32)
-        if a.dtype != compute and loss_mod._HAS_MM_OUT_DTYPE:
-            return torch.mm(a, b, out_dtype=compute)
-        return orig(a, b)
-
-    loss_mod.mm_fp32_out = cuda_branch
-    try:
-        yield
-    finally:
-        loss_mod.mm_fp32_out = orig
-
-
 def trace_ops(fn: Callable[[], object], doc_lengths: Sequence[int] | None = None,
               backward: Callable[[object], None] | None = None) -> list[OpRecord]:
     """Record the ops of `fn()` (forward) and of `backward(fn's result)` under a fake mode with
@@ -570,7 +548,7 @@ def trace_ops(fn: Callable[[], object], doc_lengths: Sequence[int] | None = None
     from model.ops.backends import force_cuda_backends
 
     trace = Trace(doc_lengths)
-    with force_cuda_backends(), _cuda_loss_gemm(), FakeTensorMode(allow_non_fake_inputs=True):
+    with force_cuda_backends(), FakeTensorMode(allow_non_fake_inputs=True):
         with trace.recording("forward", tag_nodes=True):
             res = fn()
         if backward is not None:
@@ -777,7 +755,7 @@ def trace_step(job: Job, layer: int | None = None, optimizer_shards: int = 1
     master = module  # meta fp32 parameters: the optimizer's view
     compute = K3Model(cfg, device="meta") if layer is None else DecoderLayer(cfg, layer, "meta")
     _cast_params(compute, dtype)
-    with force_cuda_backends(), _cuda_loss_gemm(), FakeTensorMode(allow_non_fake_inputs=True):
+    with force_cuda_backends(), FakeTensorMode(allow_non_fake_inputs=True):
         compute.to_empty(device="cpu")
         compute.train()
         cu = torch.tensor(bounds, dtype=torch.int32)

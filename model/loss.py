@@ -13,16 +13,19 @@ from __future__ import annotations
 
 import torch
 
+from model.ops.backends import cuda_backends_forced
+
 IGNORE_INDEX = -100
 
 
 def mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b in the operands' dtype with an fp32 (or wider) result.
 
-    bf16 on CUDA: one bf16 GEMM that accumulates and writes fp32 (`torch.mm(out_dtype=)`),
-    so no operand is upcast; elsewhere the product is cast (fp32/fp64 operands: exact)."""
+    bf16 on CUDA (or under `force_cuda_backends()`): one bf16 GEMM that accumulates and writes
+    fp32 (`torch.mm(out_dtype=)`), so no operand is upcast; elsewhere the product is cast
+    (fp32/fp64 operands: exact)."""
     compute = torch.promote_types(a.dtype, torch.float32)
-    if a.is_cuda and a.dtype != compute and _HAS_MM_OUT_DTYPE:
+    if (a.is_cuda or cuda_backends_forced()) and a.dtype != compute and _HAS_MM_OUT_DTYPE:
         return torch.mm(a, b, out_dtype=compute)
     return (a @ b).to(compute)
 

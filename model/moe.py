@@ -6,7 +6,8 @@ experts fused into one full-width MLP. Expert parallelism plugs in by swapping `
 shared experts run as the dispatcher's `during` work, so under expert parallelism their GEMMs
 (compute stream) overlap the token all-to-all (NCCL stream); nothing else changes order.
 The router records Quantile-Balancing histograms in training forwards (not in activation-
-checkpoint recomputation); `apply_quantile_balancing()` is called between optimizer steps.
+checkpoint recomputation) through the custom op `k3::record_router_stats`, so a layer stays one
+torch.compile graph; `apply_quantile_balancing()` is called between optimizer steps.
 """
 
 from __future__ import annotations
@@ -35,6 +36,29 @@ def in_recomputation() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+@torch.library.custom_op("k3::record_router_stats", mutates_args=("qb_counts", "expert_load"))
+def record_router_stats(qb_counts: torch.Tensor, expert_load: torch.Tensor,
+                        scores: torch.Tensor, bias: torch.Tensor, topk_idx: torch.Tensor,
+                        top_k: int) -> None:
+    """qb_counts [E, bins] += the margin histogram of `scores` [S, E] (detached) under `bias`;
+    expert_load [E] += the tokens routed to each expert (`topk_idx` [S, k]); nothing while
+    autograd runs a backward pass (activation-checkpoint recompute must not count twice).
+
+    A custom op so that the check runs when the op runs, not when torch.compile traces the layer:
+    one opaque node (no graph break on `in_recomputation()`), right whether the layer is
+    recomputed eagerly, by a compiled checkpoint, or not at all. Integer scatter-adds into the
+    fixed-size buffers: no host read."""
+    if in_recomputation():
+        return
+    qb_counts += margin_histogram(scores, bias, top_k, qb_counts.shape[1])
+    expert_load += expert_loads(topk_idx, expert_load.shape[0])
+
+
+@record_router_stats.register_fake
+def _(qb_counts, expert_load, scores, bias, topk_idx, top_k) -> None:
+    return None
+
+
 class Router(nn.Module):
     """s = sigmoid(x W^T) in fp32; top-k of s + bias; weights = renormalised s * scaling."""
 
@@ -59,11 +83,9 @@ class Router(nn.Module):
         w = scores.gather(-1, topk_idx)  # [S, k] unbiased scores carry the gradient
         if self.renormalize:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        if self.training and self.record_stats and not in_recomputation():
-            with torch.no_grad():
-                self.qb_counts += margin_histogram(scores.detach(), bias, self.top_k,
-                                                   self.num_bins)
-                self.expert_load += expert_loads(topk_idx, scores.shape[-1])
+        if self.training and self.record_stats:  # skipped inside backward (AC recompute)
+            record_router_stats(self.qb_counts, self.expert_load, scores.detach(), bias,
+                                topk_idx, self.top_k)
         return topk_idx, w * self.scaling
 
     @torch.no_grad()

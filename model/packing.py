@@ -14,8 +14,6 @@ micro-batch's boundaries padded to one width per step.
 
 from __future__ import annotations
 
-from functools import cached_property
-
 import torch
 
 
@@ -29,6 +27,12 @@ def cu_seqlens_from_doc_ids(doc_ids: torch.Tensor) -> torch.Tensor:
     idx = torch.nonzero(starts.flatten()).flatten()  # [N]
     end = torch.tensor([B * T], device=doc_ids.device)
     return torch.cat([idx, end]).to(torch.int32)
+
+
+def max_seqlen_bucket(longest: int, seqlen: int) -> int:
+    """The next power of two >= longest, at most seqlen: a valid bound on the longest document
+    (varlen attention only sizes its grid with it) taking log2(seqlen) values at most."""
+    return min(seqlen, 1 << max(0, int(longest) - 1).bit_length())
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seqlen: int) -> int:
@@ -72,7 +76,11 @@ class Packing:
     `cu_seqlens`: int32 [N+1] on `device` (None: one document per row); `max_seqlen`: a host
     int >= the longest document (default T: always a valid bound); `cu_seqlens_cpu`: the host
     copy when the caller has one (lets library kernels skip their own device-to-host read).
-    The constructor never reads tensor data; `from_host` validates first.
+    `doc_ids` [B, T] int64: document index of each token (0..N-1 over the whole batch);
+    `pos_in_doc` [B, T] int64: its position inside the document. Both are computed here, once:
+    the layers only read tensors off this object (no lazy caching inside a compiled region, where
+    writing an attribute would break the graph). The constructor never reads tensor data;
+    `from_host` validates first.
     """
 
     def __init__(self, batch: int, seqlen: int, device: torch.device | str,
@@ -85,36 +93,33 @@ class Packing:
         self.cu_seqlens = cu_seqlens
         self.max_seqlen = seqlen if max_seqlen is None else int(max_seqlen)
         self.cu_seqlens_cpu = cu_seqlens_cpu
+        self.doc_ids, self.pos_in_doc = self._doc_views()
 
     @classmethod
     def from_host(cls, cu_seqlens: torch.Tensor | None, batch: int, seqlen: int,
-                  device: torch.device | str) -> Packing:
-        """Validate host `cu_seqlens`, record its longest document, copy it to `device`."""
+                  device: torch.device | str, bucket: bool = False) -> Packing:
+        """Validate host `cu_seqlens`, record its longest document, copy it to `device`.
+
+        bucket: round the longest document up with `max_seqlen_bucket` (compiled layers bake
+        the host int into their graph: a new value every step would recompile them)."""
         if cu_seqlens is None:
             return cls(batch, seqlen, device)
         cu = cu_seqlens.detach().to("cpu", torch.int32)
         longest = check_cu_seqlens(cu, batch, seqlen)
+        if bucket:
+            longest = max_seqlen_bucket(longest, seqlen)
         return cls(batch, seqlen, device, to_device(cu, torch.device(device)), longest, cu)
 
     @property
     def packed(self) -> bool:
         return self.cu_seqlens is not None
 
-    @cached_property
-    def doc_ids(self) -> torch.Tensor:
-        """[B, T] int64 document index of each token (0..N-1 over the whole batch)."""
-        n = self.batch * self.seqlen
-        tok = torch.arange(n, device=self.device)
+    def _doc_views(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(doc_ids, pos_in_doc) [B, T] int64, from shapes and device tensors only."""
+        B, T = self.batch, self.seqlen
+        tok = torch.arange(B * T, device=self.device)
         if self.cu_seqlens is None:
-            return (tok // self.seqlen).view(self.batch, self.seqlen)
+            return (tok // T).view(B, T), (tok % T).view(B, T)
         ids = torch.searchsorted(self.cu_seqlens[1:], tok.to(torch.int32), right=True)
-        return ids.view(self.batch, self.seqlen)
-
-    @cached_property
-    def pos_in_doc(self) -> torch.Tensor:
-        """[B, T] int64 position of each token inside its document."""
-        tok = torch.arange(self.batch * self.seqlen, device=self.device)
-        if self.cu_seqlens is None:
-            return (tok % self.seqlen).view(self.batch, self.seqlen)
         starts = self.cu_seqlens[:-1].long()
-        return (tok - starts[self.doc_ids.flatten()]).view(self.batch, self.seqlen)
+        return ids.view(B, T), (tok - starts[ids]).view(B, T)

@@ -6,7 +6,8 @@ the outputs of the expensive ops (matmuls, grouped GEMMs, attention, our `k3::` 
 fla KDA, varlen attention and grouped GEMMs, collectives: recomputing
 an all-to-all would repeat the communication) and recomputes the cheap elementwise work (norms,
 gates, SiTU, AttnRes softmax). The router does not count Quantile-Balancing statistics during a
-recompute (`model.moe.in_recomputation`). Both wrap the layer's `forward` in place, so parameter
+recompute (the custom op `k3::record_router_stats` checks `model.moe.in_recomputation` when it
+runs, eager or compiled). Both wrap the layer's `forward` in place, so parameter
 names, FSDP units and checkpoints are unchanged.
 """
 
@@ -78,6 +79,18 @@ def apply_activation_checkpointing(layers: list[nn.Module], mode: str) -> None:
 
 
 def apply_compile(layers: list[nn.Module], backend: str = "inductor") -> None:
-    """Compile each decoder layer's forward (one graph per layer; dynamic shapes off)."""
+    """Compile each decoder layer's forward (one graph per layer; dynamic shapes off).
+
+    Every layer type traces as one graph (`tests/unit/test_graph_breaks.py`). All layers share
+    one code object (`DecoderLayer.forward`), and dynamo keeps its compiled graphs per code
+    object: layers that differ in attention type, FFN, block start or the number of AttnRes
+    blocks they receive (a static shape) each need their own (24 for K3's 93 layers), so
+    dynamo's default recompile limit (8) would leave most layers eager. The limits are raised
+    to one graph per layer for each of training and evaluation (never lowered)."""
+    cfg = torch._dynamo.config
+    for name, need in (("recompile_limit", 2 * len(layers)),
+                       ("accumulated_recompile_limit", 4 * len(layers))):
+        name = name if hasattr(cfg, name) else name.replace("recompile", "cache_size")
+        setattr(cfg, name, max(getattr(cfg, name), need))
     for layer in layers:
         layer.forward = torch.compile(layer.forward, backend=backend, dynamic=False)

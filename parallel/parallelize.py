@@ -48,6 +48,7 @@ class ParallelModel:
     stages: list[int] = field(default_factory=list)
     splits: list[list[int]] = field(default_factory=list)
     stage_modules: list = field(default_factory=list)  # PipelineStageModule per local stage
+    compiled: bool = False  # decoder layers wrapped in torch.compile (parallel.compile)
 
     @property
     def has_first_stage(self) -> bool:
@@ -62,6 +63,7 @@ def parallelize(job, dims: ParallelDims, meshes: Meshes, device: torch.device,
                 n_microbatches: int = 1, log=print) -> ParallelModel:
     out, stage_modules = shard_on_meta(job, dims, meshes, meshes.pp_rank, log)
     out.stage_modules = stage_modules
+    out.compiled = bool(job.parallel.compile)
     model = out.model
     model.to_empty(device=device)
     init_weights(model, job.train.seed, write=dtensor_writer)

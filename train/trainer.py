@@ -26,7 +26,13 @@ from data.loader import BatchLoader, local_target_tokens
 from data.tokenizer import load_tokenizer
 from model.config import ConfigError
 from model.decoder import K3Model
-from model.packing import Packing, check_cu_seqlens, pad_cu_seqlens, to_device
+from model.packing import (
+    Packing,
+    check_cu_seqlens,
+    max_seqlen_bucket,
+    pad_cu_seqlens,
+    to_device,
+)
 from parallel.dims import ParallelDims
 from parallel.expert_parallel import ep_load_metrics, finalize_expert_grads
 from parallel.fsdp import DTYPES, set_gradient_sync
@@ -175,7 +181,8 @@ def train_step(pm: ParallelModel, optimizer: torch.optim.Optimizer, batches: lis
         for i, mb in enumerate(batches):
             set_gradient_sync(model, i == len(batches) - 1)
             ids = to_device(mb["input_ids"], env.device)  # pinned, non-blocking on CUDA
-            packing = Packing.from_host(mb["cu_seqlens"], *ids.shape, env.device)
+            packing = Packing.from_host(mb["cu_seqlens"], *ids.shape, env.device,
+                                        bucket=pm.compiled)
             labels = to_device(mb["labels"], env.device)
             with in_model:
                 s, _ = model(ids, packing, labels=labels)
@@ -211,6 +218,8 @@ def _pipeline_forward_backward(pm: ParallelModel, batches: list[dict], env: Dist
     B, T = batches[0]["input_ids"].shape
     # validated on the host; one row per micro-batch, padded with empty documents to one width
     longest = max(check_cu_seqlens(b["cu_seqlens"], B, T) for b in batches)
+    if pm.compiled:  # one host int baked into compiled graphs: a few values, not one per step
+        longest = max_seqlen_bucket(longest, T)
     cu = to_device(pad_cu_seqlens([b["cu_seqlens"] for b in batches], B * T), dev)
     pm.loss_scale.value = scale
     losses: list[torch.Tensor] = []

@@ -54,16 +54,25 @@ def attention_backend(device: torch.device | str, dtype: torch.dtype) -> str:
     """Backend for packed rows on `device`/`dtype`: "varlen" or "blockwise".
 
     `K3_ATTN_BACKEND`: "auto" (default: varlen on CUDA for fp16/bf16 when torch has
-    `varlen_attn`, or whenever CUDA backends are forced), "varlen" or "blockwise".
+    `varlen_attn`, or whenever CUDA backends are forced), "varlen" or "blockwise". Under
+    torch.compile the choice is made once, when the layer is traced (`_attention_choice`).
     """
+    return _attention_choice(torch.device(device).type, dtype, cuda_backends_forced())
+
+
+@torch.compiler.assume_constant_result
+def _attention_choice(device_type: str, dtype: torch.dtype, forced: bool) -> str:
+    """`attention_backend` from constants. torch.compile calls it while tracing and keeps the
+    answer (no guard on the environment; `forced`, device and dtype are guarded by the caller's
+    inputs), so the environment read and the import check stay out of the graph."""
     mode = os.environ.get("K3_ATTN_BACKEND", "auto").strip().lower() or "auto"
     if mode in BACKENDS:
         return mode
     if mode != "auto":
         raise ValueError(f"K3_ATTN_BACKEND must be 'auto', 'varlen' or 'blockwise', got {mode!r}")
-    if cuda_backends_forced():
+    if forced:
         return "varlen"
-    usable = (torch.device(device).type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+    usable = (device_type == "cuda" and dtype in (torch.float16, torch.bfloat16)
               and _varlen_forward_fn() is not None)
     return "varlen" if usable else "blockwise"
 

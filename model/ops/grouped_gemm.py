@@ -21,19 +21,31 @@ from model.ops.backends import cuda_backends_forced
 
 
 def grouped_mm_backend(x: torch.Tensor, w: torch.Tensor) -> str:
+    """"grouped_mm" or "padded_bmm" for x [S, in], w [G, out, in] (`K3_GROUPED_MM_BACKEND`
+    overrides). Under torch.compile the choice is made once, when the layer is traced."""
+    # _grouped_mm needs 16-byte strides
+    aligned = not any(n * x.element_size() % 16 for n in w.shape[1:])
+    return _grouped_mm_choice(x.device, x.dtype, aligned, cuda_backends_forced())
+
+
+@torch.compiler.assume_constant_result
+def _grouped_mm_choice(device: torch.device, dtype: torch.dtype, aligned: bool,
+                       forced_cuda: bool) -> str:
+    """`grouped_mm_backend` from constants. torch.compile calls it while tracing and keeps the
+    answer (device, dtype, shapes and forcing are guarded by the caller's inputs; the
+    environment is not), so the environment read and the CUDA capability query (a host query
+    that dynamo does not constant-fold) stay out of the graph."""
     forced = os.environ.get("K3_GROUPED_MM_BACKEND")
     if forced:
         return forced
-    if cuda_backends_forced():
+    if forced_cuda:
         return "grouped_mm"
-    if not hasattr(torch, "_grouped_mm"):
+    if not hasattr(torch, "_grouped_mm") or not aligned:
         return "padded_bmm"
-    if any(n * x.element_size() % 16 for n in w.shape[1:]):  # _grouped_mm needs 16-byte strides
-        return "padded_bmm"
-    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
+    if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
         return "grouped_mm"
-    if x.device.type == "cuda" and x.dtype == torch.bfloat16:
-        if torch.cuda.get_device_capability(x.device)[0] >= 9:
+    if device.type == "cuda" and dtype == torch.bfloat16:
+        if torch.cuda.get_device_capability(device)[0] >= 9:
             return "grouped_mm"
     return "padded_bmm"
 

@@ -106,15 +106,24 @@ def kda_backend(device: torch.device | str) -> str:
     Inside ``force_cuda_backends()``: "fla", with no import or device check (fake-tensor traces
     of the CUDA op graph). ``K3_KDA_BACKEND``: "auto" (default: fla on CUDA when importable),
     "torch" (always the reference) or "fla" (require fla; raises if unusable on ``device``).
+    Under torch.compile the choice is made once, when the layer is traced (``_kda_choice``).
     """
     if cuda_backends_forced():
         return "fla"
+    return _kda_choice(torch.device(device))
+
+
+@torch.compiler.assume_constant_result
+def _kda_choice(device: torch.device) -> str:
+    """``kda_backend`` without forcing, from a constant device. torch.compile calls it while
+    tracing and keeps the answer (the device is guarded by the caller's inputs; the environment
+    is not), so the environment read and the fla import stay out of the graph."""
     mode = os.environ.get("K3_KDA_BACKEND", "auto").strip().lower() or "auto"
     if mode == "torch":
         return "torch"
     if mode not in ("auto", "fla"):
         raise ValueError(f"K3_KDA_BACKEND must be 'auto', 'torch' or 'fla', got {mode!r}")
-    usable = torch.device(device).type == "cuda" and _load_fla() is not None
+    usable = device.type == "cuda" and _load_fla() is not None
     if mode == "fla" and not usable:
         raise RuntimeError(f"K3_KDA_BACKEND=fla but fla chunk_kda is unusable on {device}")
     return "fla" if usable else "torch"

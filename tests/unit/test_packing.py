@@ -103,3 +103,11 @@ def test_trailing_empty_documents_change_nothing():
     with torch.no_grad():
         torch.testing.assert_close(model.hidden_states(ids, p), model.hidden_states(ids, cu),
                                    rtol=1e-6, atol=1e-6)
+
+
+def test_max_seqlen_bucket_is_a_bound_with_few_values():
+    from model.packing import max_seqlen_bucket
+
+    got = {n: max_seqlen_bucket(n, 1000) for n in range(1, 1001)}
+    assert all(n <= b <= 1000 for n, b in got.items())
+    assert sorted(set(got.values())) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1000]
