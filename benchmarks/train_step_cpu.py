@@ -1,7 +1,7 @@
 """CPU training efficiency, measurable on any machine: tokens/s and MFU against this machine's
 own fp32 GEMM rate; prints one JSON line.
 
-    python benchmarks/train_step_cpu.py [--threads N] [--steps 3] [--modes eager,compiled]
+    python benchmarks/train_step_cpu.py [--threads N] [--steps 3] [--modes eager[,compiled]]
 
 What: the `cpu_bench` preset (configs/model/cpu_bench.yaml: hidden 512, KDA + gated MLA,
 AttnRes, latent MoE with shared experts; every component) trains in fp32 on packed documents
@@ -11,7 +11,8 @@ same process at the same thread count: the best of `torch.mm` over the model's o
 (tokens x hidden x 1408, tokens x hidden x hidden, tokens x 256 x 256 and tokens x hidden x
 vocab), fp32. MFU = model FLOPs of the batch (`train.flops.step_flops`, what the trainer
 reports) / step time / that GEMM rate. `compiled` wraps every decoder layer in
-`torch.compile` (inductor, as `parallel.compile=true` does; the first step compiles).
+`torch.compile` (inductor, as `parallel.compile=true` does; the first step compiles, which took
+over 15 minutes on 2 busy cores, so it is opt-in).
 Threads default to all cores (`os.cpu_count()`).
 """
 
@@ -99,7 +100,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--docs", type=int, default=4, help="documents per row")
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--modes", default="eager,compiled")
+    ap.add_argument("--modes", default="eager", help="eager and/or compiled, comma-separated")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cfg = load_model_config("cpu_bench")
