@@ -122,31 +122,11 @@ class MoonEPRoute:
 
 @dataclass
 class MoonEPHandle:
-    """What combine and gather_expert_weights need from one dispatch."""
+    """One dispatch: its route (plan, layout, splits) and what combine needs besides."""
 
     route: MoonEPRoute
     topk_weight: Tensor  # [S, k] fp32
     during_out: Any = None  # what dispatch's `during` returned
-
-    @property
-    def plan(self) -> ReplicaPlan:
-        return self.route.plan
-
-    @property
-    def group_experts(self) -> Tensor:
-        return self.route.group_experts
-
-    @property
-    def pair_sizes(self) -> Tensor:
-        return self.route.pair_sizes
-
-    @property
-    def recv_rows(self) -> Tensor:
-        return self.route.recv_rows
-
-    @property
-    def num_rows(self) -> int:
-        return self.route.num_rows
 
 
 class MoonEPDispatcher:

@@ -10,7 +10,6 @@ What:
   weight fills, as device index tensors; `sizes` (weights sent to / received from each rank, sends
   per copy round) is the only part the host needs, and the dispatcher reads it in the same single
   device-to-host transfer as its token split sizes. `RoutePrep.finish(sizes)` -> `ReplicaRoutes`.
-  `replica_routes(plan, rank)` does both with its own transfer (tests, tools).
 - `fetch_replicas(routes, group, *w)`: differentiable `[epn, ...] -> [2*epn, ...]` per tensor =
   cat(home weights, replica-slot weights), all tensors in ONE all-to-all of weight bytes (each
   sent expert is one row: its w1 | w3 | w2 bytes). Empty slots are zeros. Backward: ONE reverse
@@ -35,7 +34,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 __all__ = ["AllToAllRows", "ReplicaRoutes", "RoutePrep", "all_to_all_rows", "fetch_replicas",
-           "replica_routes", "route_sizes"]
+           "route_sizes"]
 
 
 def all_to_all_rows(t: Tensor, out_splits: list[int], in_splits: list[int],
@@ -147,12 +146,6 @@ def route_sizes(plan: Any, rank: int) -> tuple[RoutePrep, Tensor]:
     prep = RoutePrep(epn, send_entry, local.flatten()[send_entry], round_key[send_entry],
                      recv_slot)
     return prep, sizes
-
-
-def replica_routes(plan: Any, rank: int) -> ReplicaRoutes:
-    """`route_sizes` + `finish` with one host read of the sizes (outside the training path)."""
-    prep, sizes = route_sizes(plan, rank)
-    return prep.finish(sizes.tolist())
 
 
 class FetchReplicas(torch.autograd.Function):

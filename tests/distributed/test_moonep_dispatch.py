@@ -85,8 +85,8 @@ def _check(rank: int, world: int, sizes: list[int], route: str, replicas: bool, 
     _close(grads[1], g_ref[1][lo:hi], f"{tag} grad topk_weight")
     for i, (g, gr) in enumerate(zip(grads[2:], g_ref[2:])):  # replica grads summed back
         _close(g, gr[home], f"{tag} grad w{(1, 3, 2)[i]}")
-    assert int(handle.pair_sizes.sum()) == handle.recv_rows.numel()
-    assert handle.num_rows % pad == 0
+    assert int(handle.route.pair_sizes.sum()) == handle.route.recv_rows.numel()
+    assert handle.route.num_rows % pad == 0
     if rerun:  # bit-identical outputs and gradients
         out2, grads2, _, _ = _run(p, lo, hi, disp, disp.gather_expert_weights, home)
         assert torch.equal(out, out2), tag
@@ -101,7 +101,7 @@ def _reference_cases(rank: int, world: int) -> None:
             _, handle, gemm_ws = _check(rank, world, sizes, "random", replicas, pad,
                                         rerun=replicas and pad == 32)
             n_groups = 2 * EPN if replicas else EPN
-            assert handle.group_experts.numel() == n_groups
+            assert handle.route.group_experts.numel() == n_groups
             assert all(w.shape[0] == n_groups for w in gemm_ws)
 
 
@@ -112,14 +112,14 @@ def _edge_cases(rank: int, world: int) -> None:
     # one hot expert: replicas must spread it so every rank processes exactly S*K pairs
     for replicas in (True, False):
         p, handle, gemm_ws = _check(rank, world, [S] * world, "hot", replicas, 1)
-        plan = handle.plan
+        plan = handle.route.plan
         if replicas:
-            assert int(handle.pair_sizes.sum()) == S * K
+            assert int(handle.route.pair_sizes.sum()) == S * K
             assert torch.equal(plan.rank_load, rank_targets(world * S * K, world))
             assert int(plan.slots_used.sum()) > 0
             counts = plan.alloc.sum(1, keepdim=True).t()
             assert int(static_load(counts, world).max()) > S * K  # unbalanced without replicas
-            slot_experts = handle.group_experts[EPN:]
+            slot_experts = handle.route.group_experts[EPN:]
             for w, w_full in zip(gemm_ws, p["ws"]):
                 assert not w.is_leaf and w.requires_grad  # replicas never become parameters
                 assert torch.equal(w[:EPN], w_full[rank * EPN:(rank + 1) * EPN])
@@ -136,9 +136,9 @@ def _edge_cases(rank: int, world: int) -> None:
     # an expert nobody routes to
     for replicas in (True, False):
         _, handle, _ = _check(rank, world, [4] * world, "unused", replicas, 32)
-        assert int(handle.plan.alloc[UNUSED].sum()) == 0
+        assert int(handle.route.plan.alloc[UNUSED].sum()) == 0
         if rank == UNUSED // EPN:
-            assert int(handle.pair_sizes[UNUSED % EPN]) == 0
+            assert int(handle.route.pair_sizes[UNUSED % EPN]) == 0
 
 
 def _fp8_payload(rank: int, world: int) -> None:
