@@ -9,11 +9,14 @@
 # Results: $OUT/gpu_suite.jsonl when $OUT is set, else benchmarks/out/gpu_suite.jsonl (one line
 # per stage, then a "summary" line; also echoed), stage logs beside it in gpu_suite_logs/.
 # Stages (benchmarks/gpu/): install, a_env, b_kda, c_grouped_gemm, d_attention, e_loss,
-# h_moonep, f_step, g_launcher (twice: eager, then compiled when the budget allows). A stage that fails, crashes or times out still leaves a line with "ok": false, and
-# the suite goes on. Each stage gets min(its cap, time left - what later stages need at least);
-# a stage whose minimum no longer fits is skipped. K3_GPU_SUITE_BUDGET (seconds, default 465)
-# bounds the whole run; K3_GPU_SUITE_TMP (default /tmp/k3_gpu_suite) holds the installed
-# wheels, the Triton / Inductor caches shared by all stages, the prepared corpus and run dirs.
+# h_moonep, j_fused (our AttnRes / SiTU Triton kernels vs their references), i_ops (the roofline's top kernels timed: `collect.py table RESULTS` makes the
+# README's predicted-vs-measured table), f_step, g_launcher (twice: eager, then compiled when
+# the budget allows). A stage that fails, crashes or times out still leaves a line with
+# "ok": false, and the suite goes on. Each stage gets min(its cap, time left - what later
+# stages need at least); a stage whose minimum no longer fits is skipped. K3_GPU_SUITE_BUDGET
+# (seconds, default 465) bounds the whole run; K3_GPU_SUITE_TMP (default /tmp/k3_gpu_suite)
+# holds the installed wheels, the Triton / Inductor caches shared by all stages, the prepared
+# corpus and run dirs.
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -100,12 +103,14 @@ emit "$("$PY" benchmarks/gpu/collect.py stage install "$rc" "$(($(date +%s) - t0
     "$LOGS/install.out" "$LOGS/install.err")"
 
 # name cap min later-min script
-run_stage env 60 15 305 a_env.py "${STAGE_ARGS[@]}"
-run_stage kda 120 40 265 b_kda.py "${STAGE_ARGS[@]}"
-run_stage grouped_gemm 60 20 245 c_grouped_gemm.py "${STAGE_ARGS[@]}"
-run_stage attention 60 20 225 d_attention.py "${STAGE_ARGS[@]}"
-run_stage loss 60 20 205 e_loss.py "${STAGE_ARGS[@]}"
-run_stage moonep 40 15 190 h_moonep.py "${STAGE_ARGS[@]}"
+run_stage env 60 15 340 a_env.py "${STAGE_ARGS[@]}"
+run_stage kda 120 40 300 b_kda.py "${STAGE_ARGS[@]}"
+run_stage grouped_gemm 60 20 280 c_grouped_gemm.py "${STAGE_ARGS[@]}"
+run_stage attention 60 20 260 d_attention.py "${STAGE_ARGS[@]}"
+run_stage loss 60 20 240 e_loss.py "${STAGE_ARGS[@]}"
+run_stage moonep 40 15 225 h_moonep.py "${STAGE_ARGS[@]}"
+run_stage fused 40 15 210 j_fused.py "${STAGE_ARGS[@]}"
+run_stage ops 45 20 190 i_ops.py "${STAGE_ARGS[@]}"
 run_stage step 210 120 70 f_step.py "${STAGE_ARGS[@]}" --state "$STATE"
 run_stage launcher 150 70 0 g_launcher.py "${STAGE_ARGS[@]}" --state "$STATE"
 # last, and only with time to spare (K3_GPU_SUITE_BUDGET): a compiled k3_small launcher run

@@ -8,7 +8,9 @@
 Prints ONE JSON line (the last line on stdout); `--table` first prints the top 20 ops by
 predicted time to stderr. Python API: `roofline(overrides, gpu=, layer=, world=,
 optimizer_shards=) -> dict`, `analyze(...) -> (dict, op records)`, and `trace_ops(fn, ...)` /
-`op_time(...)` for the pieces. JSON: tokens, model_flops, traced_flops (flop_counter + custom-op
+`op_time(...)` for the pieces; `replay=True` (analyze, trace_ops) keeps on each record how to run
+it again (`Replay`: the overload, tensor arguments as shape/stride/dtype; the GPU suite's stage
+i_ops times the top ones). JSON: tokens, model_flops, traced_flops (flop_counter + custom-op
 formulas), vector_flops, predicted_step_s, predicted_mfu, fwd_bwd_s / fwd_bwd_mfu (forward +
 backward only), kernels, by_category {name: {s, flops, bytes, kernels, vector_flops}},
 by_phase, non_gemm_fraction (time outside gemm/attention/kda over the total), comm_bytes by
@@ -20,7 +22,7 @@ them, fp32 gradient reduction), without the launcher's device checks. One step =
 `[data.micro_batch, data.seq_len]` of packed documents (`data.docs_per_row`, our knob, default
 4 per row; document i of a row is about (i+1)/sum(1..n) of it, so lengths are uneven) through
 forward, backward, gradient clipping (`parallel.grads.clip_grad_norm`), the AdamW step
-(`train.optim.build_optimizer`, with `foreach=True` as CUDA defaults to) and the router-bias
+(`train.optim.build_optimizer`: torch's fused AdamW, its CUDA choice) and the router-bias
 update (Quantile Balancing, phase `step_end`). `--layer N` traces decoder layer N alone
 (AttnRes inputs of the right depth, like tests/unit/test_gpu_ready.py's `_k3_layer_step`) plus
 its parameters' optimizer step: needed for the full `k3`, whose whole step is too large to trace.
@@ -30,10 +32,12 @@ its parameters' optimizer step: needed for the full `k3`, whose whole step is to
   CUDA path: `k3::chunk_kda_fla`, `k3::varlen_attention`, `k3::grouped_mm` and their
   backwards are single opaque ops, and the loss's logits are one bf16 GEMM writing fp32
   (`model.loss.mm_fp32_out`, `torch.mm(out_dtype=)`).
-* The optimizer runs for real on meta-device fp32 master parameters with fp32 gradients (AdamW
-  state initialised by one unrecorded step; the CPU step counters it keeps are host ops, not
-  kernels). `clip_grad_norm`'s final float() read cannot run on meta: it is the last statement,
-  so every kernel before it is recorded. FSDP2's mixed-precision copies are added analytically,
+* The optimizer runs for real on fake fp32 master parameters with fp32 gradients: the one
+  `train.optim.build_optimizer` builds on CUDA, torch's fused AdamW (`aten._fused_adamw_`, as
+  many multi_tensor_apply launches as foreach ops), its state initialised by one unrecorded step
+  (the CPU step counters it keeps are host ops, not kernels). `clip_grad_norm`'s final float()
+  read cannot run on fake tensors: it is the last statement, so every kernel before it is
+  recorded. FSDP2's mixed-precision copies are added analytically,
   one kernel each per unit (each decoder layer, the root) and all-gather (2 per step; 1 for the
   last layer and the root, kept gathered): `fsdp.all_gather_copy_in` (fp32 shard -> bf16
   buffer, 6 B per shard element), `fsdp.all_gather_copy_out` (4 B per parameter) and
@@ -123,7 +127,11 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: E402
+from torch._subclasses.fake_tensor import (  # noqa: E402
+    DataDependentOutputException,
+    FakeTensor,
+    FakeTensorMode,  # noqa: E402
+)
 from torch.overrides import TorchFunctionMode  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
@@ -170,6 +178,9 @@ MATMUL_OPS = GEMM_OPS | ATTENTION_OPS | KDA_OPS
 # custom ops over library kernels, costed by formula; other k3:: ops are traced through
 FORMULA_OPS = {"k3.grouped_mm", "k3.grouped_mm_wgrad", "k3.varlen_attention",
                "k3.varlen_attention_backward", "k3.chunk_kda_fla", "k3.chunk_kda_fla_bwd"}
+# our fused kernels (one launch each; bytes = inputs + outputs, 1 vector FLOP per element)
+FUSED_OPS = {"k3.attnres_mix", "k3.attnres_mix_bwd", "k3.situ_glu", "k3.situ_glu_bwd",
+             "k3.short_conv", "k3.short_conv_bwd", "k3.row_norm", "k3.row_norm_bwd"}
 KERNELS = {"k3.chunk_kda_fla": 6, "k3.chunk_kda_fla_bwd": 16, "k3.varlen_attention": 3,
            "k3.varlen_attention_backward": 8}
 
@@ -215,6 +226,7 @@ class OpRecord:
     vector_flops: float  # 1 per element for non-matmul ops
     nbytes: float
     kernels: int
+    replay: Replay | None = None  # how to run it again (Trace(replay=True) only)
 
     @property
     def matmul(self) -> bool:
@@ -223,6 +235,55 @@ class OpRecord:
     def time(self, gpu: GPU) -> float:
         flops = self.flops if self.matmul else self.flops + self.vector_flops
         return op_time(flops, self.nbytes, gpu, self.matmul, self.kernels)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """A tensor argument as a replay rebuilds it: random values, these sizes and strides."""
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    host: bool  # a real CPU tensor in the trace (host cu_seqlens), not a device tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceArg:
+    """A `device=` argument: the replay's device."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Replay:
+    """What `benchmarks/gpu/i_ops.py` needs to run a recorded op again, without keeping its
+    fake tensors alive: the overload and its arguments as specs (tensors as `TensorSpec`,
+    lists as tuples, plain values as they were), or `why_not` when an argument has no spec."""
+    op: object  # torch._ops.OpOverload
+    args: tuple = ()
+    kwargs: tuple[tuple[str, object], ...] = ()
+    why_not: str | None = None
+
+
+_PLAIN = (bool, int, float, str, torch.dtype, torch.layout, torch.memory_format)
+
+
+def _spec(v: object) -> object:
+    if isinstance(v, torch.Tensor):
+        return TensorSpec(tuple(int(n) for n in v.shape), tuple(int(n) for n in v.stride()),
+                          v.dtype, not _is_device_tensor(v))
+    if v is None or isinstance(v, _PLAIN):
+        return v
+    if isinstance(v, torch.device):
+        return DeviceArg()
+    if isinstance(v, (list, tuple)):
+        return tuple(_spec(x) for x in v)
+    raise TypeError(f"argument of type {type(v).__name__}")
+
+
+def replay_spec(func, args, kwargs) -> Replay:
+    """The `Replay` of one dispatched op (`why_not` set if an argument cannot be described)."""
+    try:
+        return Replay(func, _spec(args), tuple((k, _spec(v)) for k, v in kwargs.items()))
+    except TypeError as e:
+        return Replay(func, why_not=str(e))
 
 
 def _is_device_tensor(t: object) -> bool:
@@ -453,7 +514,7 @@ def _pytorch_custom_op(func) -> Callable | None:
     private `torch._library.custom_ops.OPDEFS` (torch >= 2.4); without it the op counts as one
     kernel."""
     name = _func_info(func)[0]
-    if not name.startswith("k3.") or name in FORMULA_OPS:
+    if not name.startswith("k3.") or name in FORMULA_OPS or name in FUSED_OPS:
         return None
     try:
         from torch._library.custom_ops import OPDEFS
@@ -478,12 +539,14 @@ def _func_info(func) -> tuple[str, bool, str, Callable | None]:
 
 
 class Trace:
-    """Collects `OpRecord`s; `phase` is set by the driver."""
+    """Collects `OpRecord`s; `phase` is set by the driver. `replay=True`: each record also
+    carries its `Replay` (benchmarks/gpu/i_ops.py)."""
 
-    def __init__(self, doc_lengths: Sequence[int] | None = None) -> None:
+    def __init__(self, doc_lengths: Sequence[int] | None = None, replay: bool = False) -> None:
         self.records: list[OpRecord] = []
         self.phase = "forward"
         self.formulas = _Formulas(doc_lengths)
+        self.replay = replay
 
     def category(self, name: str, short: str) -> str:
         if name in GEMM_OPS:
@@ -512,10 +575,12 @@ class Trace:
             flops = float(formula(*args, **kwargs, out_val=out))
         matmul = name in MATMUL_OPS
         vflops = 0.0 if matmul or flops else _vector_flops(args, kwargs, out)
-        kernels = KERNELS.get(name, _foreach_kernels(args) if "_foreach_" in name else 1)
+        multi = "_foreach_" in name or name.startswith("aten._fused_adam")
+        kernels = KERNELS.get(name, _foreach_kernels(args) if multi else 1)
         self.records.append(OpRecord(name, self.category(name, short), self.phase,
                                      float(flops or 0.0), vflops,
-                                     float(_op_bytes(name, func, args, kwargs, out)), kernels))
+                                     float(_op_bytes(name, func, args, kwargs, out)), kernels,
+                                     replay_spec(func, args, kwargs) if self.replay else None))
 
     def expand(self, recorder: _Recorder, impl: Callable, args, kwargs) -> bool:
         """Record the ops of `impl(*args)` (a custom op's PyTorch body) instead of the opaque
@@ -542,12 +607,13 @@ class Trace:
 
 
 def trace_ops(fn: Callable[[], object], doc_lengths: Sequence[int] | None = None,
-              backward: Callable[[object], None] | None = None) -> list[OpRecord]:
+              backward: Callable[[object], None] | None = None,
+              replay: bool = False) -> list[OpRecord]:
     """Record the ops of `fn()` (forward) and of `backward(fn's result)` under a fake mode with
     CUDA backends forced. `fn` builds its tensors itself (inside the fake mode)."""
     from model.ops.backends import force_cuda_backends
 
-    trace = Trace(doc_lengths)
+    trace = Trace(doc_lengths, replay)
     with force_cuda_backends(), FakeTensorMode(allow_non_fake_inputs=True):
         with trace.recording("forward", tag_nodes=True):
             res = fn()
@@ -631,15 +697,15 @@ def _cast_params(module: torch.nn.Module, dtype: torch.dtype) -> None:
 
 class _Shard:
     """`named_parameters()` of each parameter's FSDP2 dim-0 shard on one of `n` ranks (the
-    largest: dim 0 padded to a multiple of n), as meta fp32 master parameters."""
+    largest: dim 0 padded to a multiple of n; n = 1: the whole parameter), as fp32 master
+    parameters on the current device (fake CPU tensors inside a FakeTensorMode)."""
 
     def __init__(self, module: torch.nn.Module, n: int) -> None:
         self.params = []
         for name, p in module.named_parameters():
             shape = (-(-p.shape[0] // n), *p.shape[1:]) if p.dim() else ()
             self.params.append((name, torch.nn.Parameter(
-                torch.empty(shape, dtype=torch.float32, device="meta"),
-                requires_grad=p.requires_grad)))
+                torch.empty(shape, dtype=torch.float32), requires_grad=p.requires_grad)))
 
     def named_parameters(self):
         return iter(self.params)
@@ -649,27 +715,26 @@ class _Shard:
 
 
 def _optimizer_ops(trace: Trace, module: torch.nn.Module, job, shards: int = 1) -> None:
-    """Clip + AdamW over meta fp32 master copies of `module`'s parameters (module on meta), or
-    of one rank's FSDP2 shard of them."""
+    """Clip + AdamW (torch's fused AdamW, the CUDA choice of `build_optimizer`) over fake fp32
+    master copies of `module`'s parameters, or of one rank's FSDP2 shard of them."""
+    from model.ops.backends import force_cuda_backends
     from parallel.grads import clip_grad_norm
     from train.optim import build_optimizer
 
-    holder = module if shards == 1 else _Shard(module, shards)
-    params = [p for p in holder.parameters() if p.requires_grad]
-    for p in params:
-        p.grad = torch.empty_like(p)
-    opt = build_optimizer(holder, job.optim)  # type: ignore[arg-type]
-    for g in opt.param_groups:
-        g["foreach"] = True  # torch's default for CUDA tensors
-    opt.step()  # state initialisation: not part of a steady step
-    with trace.recording("optimizer"):
-        if job.optim.grad_clip > 0:
-            try:
-                clip_grad_norm(params, job.optim.grad_clip)
-            except RuntimeError as e:  # the final float(norm) read: nothing left to record
-                if "meta" not in str(e):
-                    raise
-        opt.step()
+    with force_cuda_backends(), FakeTensorMode():  # fake CPU masters: fused AdamW takes them
+        holder = _Shard(module, shards)
+        params = [p for p in holder.parameters() if p.requires_grad]
+        for p in params:
+            p.grad = torch.empty_like(p)
+        opt = build_optimizer(holder, job.optim)  # type: ignore[arg-type]  # CUDA: fused
+        opt.step()  # state initialisation: not part of a steady step
+        with trace.recording("optimizer"):
+            if job.optim.grad_clip > 0:
+                try:
+                    clip_grad_norm(params, job.optim.grad_clip)
+                except DataDependentOutputException:  # its final float(norm) read:
+                    pass  # nothing after it to record
+            opt.step()
 
 
 def _fsdp_units(module: torch.nn.Module, layer: int | None) -> list[tuple[int, int]]:
@@ -729,10 +794,11 @@ def _layer_model_flops(cfg, layer: torch.nn.Module, idx: int, lengths: list[int]
     return 6.0 * _layer_active_params(layer, cfg) * tokens + mixer
 
 
-def trace_step(job: Job, layer: int | None = None, optimizer_shards: int = 1
-               ) -> tuple[list[OpRecord], dict]:
+def trace_step(job: Job, layer: int | None = None, optimizer_shards: int = 1,
+               replay: bool = False) -> tuple[list[OpRecord], dict]:
     """Records of one step (whole model, or decoder layer `layer`) and the model FLOPs;
-    the optimizer and FSDP copy-in over one rank's share of `optimizer_shards`."""
+    the optimizer and FSDP copy-in over one rank's share of `optimizer_shards`; `replay`:
+    records carry their `Replay`."""
     from model.decoder import DecoderLayer, K3Model
     from model.ops.backends import force_cuda_backends
     from model.packing import Packing
@@ -743,7 +809,7 @@ def trace_step(job: Job, layer: int | None = None, optimizer_shards: int = 1
     bounds = doc_bounds(B, T, job.docs_per_row)
     lengths = [b - a for a, b in zip(bounds, bounds[1:])]
     cu_host = torch.tensor(bounds, dtype=torch.int32)
-    trace = Trace(lengths)
+    trace = Trace(lengths, replay)
     dtype = job.param_dtype
     if layer is None:
         module = K3Model(cfg, device="meta")
@@ -919,15 +985,17 @@ def summarize(records: Sequence[OpRecord], gpu: GPU, model_flops: float) -> dict
 
 
 def analyze(overrides: Sequence[str] = (), gpu: str = "h200", layer: int | None = None,
-            world: int = 8, optimizer_shards: int = 1) -> tuple[dict, list[OpRecord]]:
-    """(the JSON summary, the op records) of one predicted step."""
+            world: int = 8, optimizer_shards: int = 1, replay: bool = False
+            ) -> tuple[dict, list[OpRecord]]:
+    """(the JSON summary, the op records) of one predicted step; `replay`: the records carry
+    their `Replay` (the JSON is the same)."""
     if gpu not in GPUS:
         raise ValueError(f"--gpu {gpu!r}: choose one of {sorted(GPUS)}")
     g = GPUS[gpu]
     job = load_config(overrides, world)
     if optimizer_shards < 1:
         raise ValueError(f"--optimizer-shards {optimizer_shards} must be >= 1")
-    records, info = trace_step(job, layer, optimizer_shards)
+    records, info = trace_step(job, layer, optimizer_shards, replay)
     by_dim, detail = comm_bytes(job, info["module"], layer)
     out = {
         "gpu": g.name, "preset": job.preset, "layer": layer,

@@ -1,9 +1,15 @@
-"""Normalisation layers used across K3: RMSNorm, gated RMSNorm (KDA output), per-head L2 norm."""
+"""Normalisation layers used across K3: RMSNorm, gated RMSNorm (KDA output), per-head L2 norm.
+
+The row maths is `model.ops.rms_norm` (our Triton kernels on CUDA, the reference formulas
+elsewhere).
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from model.ops.rms_norm import l2_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -15,9 +21,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float() if x.dtype != torch.float64 else x
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.to(y.dtype)).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class GatedRMSNorm(RMSNorm):
@@ -33,5 +37,4 @@ class GatedRMSNorm(RMSNorm):
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim (fla l2norm), fp32 inside."""
-    xf = x.float() if x.dtype != torch.float64 else x
-    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+    return l2_norm(x, eps)

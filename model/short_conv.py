@@ -1,15 +1,17 @@
 """Causal depthwise short convolution + SiLU (KDA's q/k/v convs), resetting at document starts.
 
 y_t = silu( sum_s w[K-1-s] * x_{t-s} ), where taps reaching before the token's document start are
-dropped, so a packed batch equals each document alone. Implemented as K shifted multiply-adds
-(K = 4): a loop over kernel taps, never over tokens. Weight kept fp32 ([C, 1, K], Conv1d layout).
+dropped, so a packed batch equals each document alone. The maths is `model.ops.short_conv`
+(`short_conv_silu`: our Triton kernels on CUDA, K shifted multiply-adds elsewhere). Weight kept
+fp32 ([C, 1, K], Conv1d layout, as K3 ships it).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from model.ops.short_conv import short_conv_silu
 
 
 class ShortConv(nn.Module):
@@ -21,13 +23,4 @@ class ShortConv(nn.Module):
 
     def forward(self, x: torch.Tensor, pos_in_doc: torch.Tensor) -> torch.Tensor:
         """x [B, T, C]; pos_in_doc [B, T] position of each token in its document."""
-        T = x.shape[1]
-        compute = torch.promote_types(x.dtype, torch.float32)
-        xf = x.to(compute)
-        w = self.weight.to(compute)[:, 0, :]  # [C, K]
-        y = xf * w[:, -1]
-        for s in range(1, self.kernel_size):
-            shifted = F.pad(xf, (0, 0, s, 0))[:, :T]  # [B, T, C] = x_{t-s}
-            keep = (pos_in_doc >= s).unsqueeze(-1).to(compute)  # [B, T, 1]
-            y = y + shifted * keep * w[:, -1 - s]
-        return F.silu(y).to(x.dtype)
+        return short_conv_silu(x, self.weight[:, 0, :], pos_in_doc)

@@ -16,13 +16,22 @@ def no_weight_decay(name: str, p: torch.Tensor) -> bool:
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW over two groups (decay / no decay). On CUDA torch's fused AdamW (one
+    multi-tensor kernel per step for the whole update, as torchtitan defaults to); elsewhere
+    torch's default implementation. Fake-tensor traces with CUDA backends forced (the roofline)
+    take the CUDA choice."""
+    from model.ops.backends import cuda_backends_forced
+
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
             (no_decay if no_weight_decay(name, p) else decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+    params = decay + no_decay
+    fused = bool(params) and (cuda_backends_forced() or all(p.is_cuda for p in params))
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+                             fused=True if fused else None)
 
 
 def lr_factor(step: int, total: int, cfg: OptimConfig) -> float:

@@ -12,7 +12,11 @@ Outside a fake-tensor trace, forcing on a CPU machine fails at the first real ke
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
 from collections.abc import Iterator
+
+import torch
 
 _FORCED = [False]
 
@@ -31,3 +35,49 @@ def force_cuda_backends(enabled: bool = True) -> Iterator[None]:
         yield
     finally:
         _FORCED[0] = old
+
+
+def fused_backend(device: torch.device, dtype: torch.dtype, env: str) -> str:
+    """"triton" or "torch" for our own fused kernels (AttnRes mix, SiTU-GLU, short conv, norms).
+
+    `env` names the override variable ("auto" by default; "torch"; "triton", which also runs on
+    CPU tensors under TRITON_INTERPRET=1, how the tests check the kernels). auto: Triton on CUDA
+    for 16/32-bit floats when triton imports; the PyTorch implementation otherwise (float64
+    verification runs always take it). Read at run time inside the custom ops, never traced."""
+    mode = os.environ.get(env, "auto")
+    if mode not in ("auto", "torch", "triton"):
+        raise ValueError(f"{env} must be 'auto', 'torch' or 'triton', got {mode!r}")
+    if mode == "torch" or dtype == torch.float64:
+        return "torch"
+    if mode == "triton":
+        return "triton"
+    return "triton" if device.type == "cuda" and _triton_imports() else "torch"
+
+
+def use_fused_kernel(t: torch.Tensor, env: str) -> bool:
+    """Whether the model calls an op's custom op over our kernel (else its reference formula):
+    inside `force_cuda_backends()`, or where `fused_backend` picks Triton."""
+    return cuda_backends_forced() or _fused_choice(t.device, t.dtype, env)
+
+
+@torch.compiler.assume_constant_result
+def _fused_choice(device: torch.device, dtype: torch.dtype, env: str) -> bool:
+    """Constant for a compiled graph: the environment read stays out of it."""
+    return fused_backend(device, dtype, env) == "triton"
+
+
+@functools.cache
+def _triton_imports() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:  # ImportError, or driver errors raised while triton imports
+        return False
+    return True
+
+
+def kernel_programs(device: torch.device, per_sm: int = 4) -> int:
+    """How many persistent programs a row-strided kernel launches: per_sm per SM on CUDA; 2
+    under TRITON_INTERPRET=1 on CPU tensors (a few programs exercise the row striding)."""
+    if device.type == "cuda":
+        return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
+    return 2

@@ -1,9 +1,10 @@
 import math
 
+import pytest
 import torch
 
 from model.attnres import mix_weights
-from model.ops.attnres import attnres_mix
+from model.ops.attnres import attnres_mix, attnres_mix_reference
 from tests.helpers.tiny import debug_config, tiny_model
 
 
@@ -25,23 +26,65 @@ def _oracle(sources, query, eps=1e-5):
     return out.reshape(sources.shape[1:])
 
 
-def test_mix_matches_oracle():
+def _op(src, norm_weight, query, eps=1e-5):
+    """The model's op on sources [N, ...] (snapshots = src[:-1], prefix = src[-1])."""
+    return attnres_mix(src[:-1], src[-1], norm_weight, query, eps)
+
+
+def test_reference_matches_oracle():
     src = torch.randn(5, 2, 3, 16) * torch.tensor([1.0, 10, 0.1, 3, 1])[:, None, None, None]
     q = torch.randn(16)
-    torch.testing.assert_close(attnres_mix(src, q).double(), _oracle(src, q), rtol=1e-5,
+    torch.testing.assert_close(attnres_mix_reference(src, q).double(), _oracle(src, q),
+                               rtol=1e-5, atol=1e-5)
+    assert attnres_mix_reference(src.bfloat16(), q).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("n", [1, 4, 8])
+def test_op_matches_oracle_and_keeps_dtype(n):
+    src = torch.randn(n + 1, 2, 3, 16) * torch.logspace(-1, 1, n + 1)[:, None, None, None]
+    w, q = torch.rand(16) + 0.5, torch.randn(16)
+    torch.testing.assert_close(_op(src, w, q).double(), _oracle(src, w * q), rtol=1e-5,
                                atol=1e-5)
-    assert attnres_mix(src.bfloat16(), q).dtype == torch.bfloat16
+    assert _op(src.bfloat16(), w, q).dtype == torch.bfloat16
+
+
+def test_no_snapshots_returns_the_prefix():
+    x = torch.randn(2, 3, 8, dtype=torch.float64)
+    out = attnres_mix(x.new_zeros(0, 2, 3, 8), x, torch.ones(8, dtype=torch.float64),
+                      torch.randn(8, dtype=torch.float64))
+    torch.testing.assert_close(out, x)
 
 
 def test_zero_query_is_uniform_average():
     src = torch.randn(4, 3, 8, dtype=torch.float64)
-    torch.testing.assert_close(attnres_mix(src, torch.zeros(8)), src.mean(0))
+    torch.testing.assert_close(attnres_mix_reference(src, torch.zeros(8)), src.mean(0))
+    torch.testing.assert_close(_op(src, torch.ones(8), torch.zeros(8)), src.mean(0))
 
 
 def test_gradcheck():
     src = torch.randn(3, 2, 5, dtype=torch.float64, requires_grad=True)
     q = torch.randn(5, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(attnres_mix, (src, q))
+    assert torch.autograd.gradcheck(attnres_mix_reference, (src, q))
+    # the op's hand-written backward, against finite differences of its forward
+    blocks = torch.randn(3, 2, 5, 7, dtype=torch.float64, requires_grad=True)
+    prefix = torch.randn(2, 5, 7, dtype=torch.float64, requires_grad=True)
+    w = (torch.rand(7, dtype=torch.float64) + 0.5).requires_grad_()
+    q = torch.randn(7, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(attnres_mix, (blocks, prefix, w, q))
+
+
+def test_op_gradients_equal_the_reference_in_float32():
+    src = torch.randn(4, 2, 6, 32) * torch.tensor([1.0, 10, 0.1, 3])[:, None, None, None]
+    w, q = torch.rand(32) + 0.5, torch.randn(32) * 0.3
+    leaves = [src, w, q]
+    leaves = [t.clone().requires_grad_() for t in leaves]
+    g = torch.randn(2, 6, 32)
+    got = torch.autograd.grad(_op(*leaves), leaves, g)
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    s, rw, rq = ref_leaves
+    ref = torch.autograd.grad(attnres_mix_reference(s, rw * rq), ref_leaves, g.double())
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5)
 
 
 def _block_counts(cfg, T=4):

@@ -68,3 +68,14 @@ def test_gated_mla_matches_direct_formula():
     gate = torch.sigmoid(x @ mla.g_proj.weight.T)
     ref = (out.reshape(B, T, -1) * gate) @ mla.o_proj.weight.T
     torch.testing.assert_close(got, ref)
+
+
+def test_short_conv_custom_op_gradcheck_with_document_resets():
+    """k3::short_conv itself (CUDA and fake traces run it; off CUDA its backward is the
+    written-out formula) against finite differences, documents resetting inside the row."""
+    from model.ops.short_conv import _conv_op
+
+    x = torch.randn(2, 9, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 0], [3, 4, 5, 6, 0, 0, 1, 2, 3]])
+    assert torch.autograd.gradcheck(lambda a, b: _conv_op(a, b, pos), (x, w))

@@ -55,3 +55,14 @@ def test_gradcheck_and_analytic_gradient():
     cap = 25 * torch.tanh(u.detach() / 25)
     torch.testing.assert_close(g.grad, dsitu * cap)
     torch.testing.assert_close(u.grad, 4 * t * s * (1 - torch.tanh(u.detach() / 25) ** 2))
+
+
+def test_custom_op_gradcheck_off_cuda():
+    """k3::situ_glu itself (what CUDA and fake traces run; off CUDA its body is the reference and
+    its backward the recomputing PyTorch formula) against finite differences."""
+    from model.ops.situ import _situ_op
+
+    g = (torch.randn(5, 4, dtype=torch.float64) * 3).requires_grad_()
+    u = (torch.randn(5, 4, dtype=torch.float64) * 30).requires_grad_()
+    assert torch.autograd.gradcheck(lambda a, b: _situ_op(a, b, 4.0, 25.0), (g, u))
+    torch.testing.assert_close(_situ_op(g, u, 4.0, 25.0), _reference(g, u))

@@ -1,0 +1,115 @@
+"""Stage j (fused): our Triton AttnRes mix and SiTU-GLU kernels against their references.
+
+    python benchmarks/gpu/j_fused.py [--device cuda] [--small]
+
+AttnRes: k3_small's widest mix (8 snapshots + the prefix, hidden 2048, 4096 tokens) and K3's
+(hidden 7168, 4096 tokens), bf16 sources, fp32 norm weight and pseudo-query (std 0.02 query, as
+trained); SiTU-GLU: the expert activations of a k3_small micro-batch (4096 tokens x top-8 x
+1024), bf16. The reference is the autograd-differentiated formula (`*_reference`) in fp32 on
+the same bf16 values. Reports errors of the output and every gradient (rel_err), and ms of
+forward and forward + backward for the kernel (the model's op: `k3::attnres_mix` /
+`k3::situ_glu`, backend triton) and for the reference, which is what the step ran before.
+`--small` (CPU smoke run): tiny shapes, the PyTorch backends of the same ops.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import gpu_common as common
+import torch
+
+from model.ops.attnres import attnres_mix, attnres_mix_reference
+from model.ops.situ import situ_glu, situ_glu_reference
+
+TOL = {"norm_rel": 1e-2}  # bf16 outputs and gradients against fp32 maths
+
+
+def _leaves(xs, dtype=None):
+    return [x.detach().to(dtype or x.dtype, copy=True).requires_grad_() for x in xs]
+
+
+def _errors(got: list[torch.Tensor], ref: list[torch.Tensor], names: list[str]) -> dict:
+    errs = {n: common.rel_err(g, r) for n, g, r in zip(names, got, ref)}
+    return {**errs, "worst_norm_rel": common.worst(errs),
+            "within_tol": common.worst(errs) <= TOL["norm_rel"]}
+
+
+def _attnres_case(ctx: common.Ctx, n: int, d: int, tokens: int) -> tuple[dict, dict]:
+    dev = ctx.device
+    gen = torch.Generator(device=dev).manual_seed(0)
+    src = torch.randn(n + 1, tokens, d, generator=gen, device=dev).to(torch.bfloat16)
+    w = 1 + 0.1 * torch.randn(d, generator=gen, device=dev)
+    q = 0.02 * torch.randn(d, generator=gen, device=dev)
+    g = torch.randn(tokens, d, generator=gen, device=dev).to(torch.bfloat16)
+
+    def kernel(backward: bool = True):
+        b, x, ww, qq = _leaves([src[:-1], src[-1], w, q])
+        out = attnres_mix(b, x, ww, qq, 1e-5)
+        if backward:
+            return [out, *torch.autograd.grad(out, (b, x, ww, qq), g)]
+        return [out]
+
+    def reference(backward: bool = True):
+        s, ww, qq = _leaves([src.float(), w, q])
+        out = attnres_mix_reference(s, ww * qq, 1e-5)
+        if backward:
+            ds, dw, dq = torch.autograd.grad(out, (s, ww, qq), g.float())
+            return [out, ds[:-1], ds[-1], dw, dq]
+        return [out]
+
+    errs = _errors(kernel(), reference(), ["out", "d_blocks", "d_prefix", "d_norm_w", "d_query"])
+    times = {name: common.fwd_bwd_timing(ctx, fn) for name, fn in
+             (("kernel", kernel), ("reference", reference)) if ctx.left() > 8}
+    return errs, times
+
+
+def _situ_case(ctx: common.Ctx, rows: int, cols: int) -> tuple[dict, dict]:
+    dev = ctx.device
+    gen = torch.Generator(device=dev).manual_seed(1)
+    gate = (3 * torch.randn(rows, cols, generator=gen, device=dev)).to(torch.bfloat16)
+    up = (30 * torch.randn(rows, cols, generator=gen, device=dev)).to(torch.bfloat16)
+    g = torch.randn(rows, cols, generator=gen, device=dev).to(torch.bfloat16)
+
+    def run(fn, dtype, backward: bool = True):
+        a, b = _leaves([gate, up], dtype)
+        out = fn(a, b)
+        return [out, *torch.autograd.grad(out, (a, b), g.to(dtype))] if backward else [out]
+
+    kernel = functools.partial(run, situ_glu, None)
+    reference = functools.partial(run, situ_glu_reference, torch.float32)
+    errs = _errors(kernel(), reference(), ["out", "d_gate", "d_up"])
+    times = {name: common.fwd_bwd_timing(ctx, fn) for name, fn in
+             (("kernel", kernel), ("reference", reference)) if ctx.left() > 8}
+    return errs, times
+
+
+def main(ctx: common.Ctx, out: dict) -> bool:
+    if ctx.cuda:  # the kernels, not a fallback: fail loudly if triton is unusable
+        os.environ.setdefault("K3_ATTNRES_BACKEND", "triton")
+        os.environ.setdefault("K3_SITU_BACKEND", "triton")
+    attn = [(3, 64, 256)] if ctx.small else [(8, 2048, 4096), (8, 7168, 4096)]
+    situ = (256, 96) if ctx.small else (4096 * 8, 1024)
+    out.update(attnres_cases=attn, situ_case=situ, tol=TOL,
+               backends={k: os.environ.get(k, "auto")
+                         for k in ("K3_ATTNRES_BACKEND", "K3_SITU_BACKEND")})
+    timings: dict = {}
+    ok = True
+    for n, d, tokens in attn:
+        key = f"attnres_n{n}_d{d}_t{tokens}"
+        res = common.attempt(out, key, functools.partial(_attnres_case, ctx, n, d, tokens))
+        if res is not None:
+            out[key], timings[key] = res
+            ok &= res[0]["within_tol"]
+    res = common.attempt(out, "situ", functools.partial(_situ_case, ctx, *situ))
+    if res is not None:
+        out["situ"], timings["situ"] = res
+        ok &= res[0]["within_tol"]
+    out["within_tol"] = bool(ok)
+    out["timings"] = timings
+    return True
+
+
+if __name__ == "__main__":
+    common.run_stage("fused", main)

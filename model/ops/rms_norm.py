@@ -1,0 +1,132 @@
+"""Row norms of the model: RMSNorm (weighted, mean of squares) and the per-head L2 norm.
+
+y = x * rsqrt(scale * sum(x²) + eps) * weight, fp32 inside, y in x's dtype; scale = 1/d for
+RMSNorm, 1 for the L2 norm (which has no weight).
+
+* `rms_norm(x, weight, eps)`, `l2_norm(x, eps)`: what the model calls. With the Triton backend
+  (CUDA, 16/32-bit, or `K3_NORM_BACKEND=triton`; and in fake-tensor traces under
+  `force_cuda_backends()`) they are the custom op `k3::row_norm` / `k3::row_norm_bwd` over our
+  kernels (`model.ops.rms_norm_triton`): the forward reads each row twice (from cache the second
+  time) and keeps only rstd [rows] fp32; the backward reads x and dy once each, writes dx and
+  per-program weight-gradient partials. Otherwise (CPU, float64) they are the references.
+* `rms_norm_reference`, `l2_norm_reference`: the formulas under autograd (the oracles).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from model.ops.backends import fused_backend, use_fused_kernel
+
+
+def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """x / rms(x) * weight over the last dim, fp32 inside (float64 stays float64)."""
+    xf = x.float() if x.dtype != torch.float64 else x
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * weight.to(y.dtype)).to(x.dtype)
+
+
+def l2_norm_reference(x: Tensor, eps: float = 1e-6) -> Tensor:
+    """x / sqrt(sum(x²) + eps) over the last dim (fla's l2norm), fp32 inside."""
+    xf = x.float() if x.dtype != torch.float64 else x
+    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    if not _use_kernel(x):
+        return rms_norm_reference(x, weight, eps)
+    return _norm(x, weight, eps, True)
+
+
+def l2_norm(x: Tensor, eps: float = 1e-6) -> Tensor:
+    if not _use_kernel(x):
+        return l2_norm_reference(x, eps)
+    return _norm(x, None, eps, False)
+
+
+def _norm(x: Tensor, weight: Tensor | None, eps: float, mean: bool) -> Tensor:
+    d = x.shape[-1]
+    if weight is not None and weight.shape != (d,):
+        raise ValueError(f"norm weight {tuple(weight.shape)} must be [{d}]")
+    return _norm_op(x.contiguous(), weight, float(eps), mean)[0]
+
+
+def _use_kernel(t: Tensor) -> bool:
+    return use_fused_kernel(t, "K3_NORM_BACKEND")
+
+
+def _triton(t: Tensor) -> bool:
+    return fused_backend(t.device, t.dtype, "K3_NORM_BACKEND") == "triton"
+
+
+def _compute(x: Tensor) -> torch.dtype:
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def _rstd_torch(x: Tensor, eps: float, mean: bool) -> Tensor:
+    xf = x.to(_compute(x))
+    ss = xf.pow(2).mean(-1) if mean else xf.pow(2).sum(-1)
+    return torch.rsqrt(ss + eps)
+
+
+@torch.library.custom_op("k3::row_norm", mutates_args=())
+def _norm_op(x: Tensor, weight: Tensor | None, eps: float, mean: bool) -> tuple[Tensor, Tensor]:
+    """(y in x's dtype, rstd [...] in fp32 / fp64)."""
+    if _triton(x):
+        from model.ops import rms_norm_triton
+
+        return rms_norm_triton.norm_fwd(x, weight, eps, mean)
+    rstd = _rstd_torch(x, eps, mean)
+    y = x.to(_compute(x)) * rstd[..., None]
+    if weight is not None:
+        y = y * weight.to(y.dtype)
+    return y.to(x.dtype), rstd
+
+
+@_norm_op.register_fake
+def _(x, weight, eps, mean):
+    return torch.empty_like(x), x.new_empty(x.shape[:-1], dtype=_compute(x))
+
+
+@torch.library.custom_op("k3::row_norm_bwd", mutates_args=())
+def _norm_bwd_op(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, mean: bool
+                 ) -> tuple[Tensor, Tensor]:
+    """(d x in x's dtype, d weight in weight's dtype, or [0] without a weight):
+    dx = r (g - xhat * scale * sum(g xhat)), g = dy * weight, xhat = x r; dw = sum_rows dy xhat."""
+    if _triton(x):
+        from model.ops import rms_norm_triton
+
+        return rms_norm_triton.norm_bwd(dy.contiguous(), x, weight, rstd, mean)
+    compute = _compute(x)
+    r = rstd.to(compute)[..., None]
+    xhat = x.to(compute) * r
+    dyf = dy.to(compute)
+    g = dyf * weight.to(compute) if weight is not None else dyf
+    scale = 1.0 / x.shape[-1] if mean else 1.0
+    dx = r * (g - xhat * (scale * (g * xhat).sum(-1, keepdim=True)))
+    if weight is None:
+        return dx.to(x.dtype), x.new_empty(0)
+    dw = (dyf * xhat).reshape(-1, x.shape[-1]).sum(0)
+    return dx.to(x.dtype), dw.to(weight.dtype)
+
+
+@_norm_bwd_op.register_fake
+def _(dy, x, weight, rstd, mean):
+    return torch.empty_like(x), (x.new_empty(0) if weight is None else torch.empty_like(weight))
+
+
+def _setup(ctx, inputs, output) -> None:
+    x, weight, _eps, mean = inputs
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.mean = mean
+    ctx.mark_non_differentiable(output[1])
+
+
+def _backward(ctx, dy: Tensor, _drstd: Tensor | None):
+    x, weight, rstd = ctx.saved_tensors
+    dx, dw = _norm_bwd_op(dy, x, weight, rstd, ctx.mean)
+    return dx, (None if weight is None else dw), None, None
+
+
+_norm_op.register_autograd(_backward, setup_context=_setup)

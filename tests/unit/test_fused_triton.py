@@ -1,0 +1,148 @@
+"""Our Triton kernels (AttnRes mix, SiTU-GLU, short conv, row norms) under TRITON_INTERPRET=1.
+
+One subprocess (the variable must be set before triton.jit runs) with K3_ATTNRES_BACKEND,
+K3_SITU_BACKEND, K3_CONV_BACKEND and K3_NORM_BACKEND forced to "triton" runs the model's ops
+forward and backward on CPU tensors and compares them with the autograd-differentiated
+reference formulas in float64 (`*_reference`; independent of the kernels' hand-written
+backward). AttnRes shapes cover no snapshots, K3's 8
+snapshots (9 sources, 16 lanes), d not a power of two and wider than one d-tile, and more rows
+than backward programs (the strided row loop and its masked tail); SiTU covers 1e-9 .. 3e2 and
+both signs (the written-out tanh); the conv covers K 2 and 4, documents that reset inside a
+row, row ends, channels not a multiple of the tile and several row tiles (the weight-gradient
+partials); the norms (RMSNorm with its weight, L2 without) cover d over one 4096-wide tile and
+the strided backward rows. All against float64. The script asserts every kernel actually ran.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+_SCRIPT = r"""
+import json
+import torch
+from model.ops import attnres_triton, rms_norm_triton, short_conv_triton, situ_triton
+from model.ops.rms_norm import l2_norm, l2_norm_reference, rms_norm, rms_norm_reference
+from model.ops.attnres import attnres_mix, attnres_mix_reference
+from model.ops.short_conv import short_conv_silu, short_conv_silu_reference
+from model.ops.situ import situ_glu, situ_glu_reference
+
+calls = {}
+def counted(mod, name):
+    fn = getattr(mod, name)
+    def wrapper(*a, **k):
+        calls[name] = calls.get(name, 0) + 1
+        return fn(*a, **k)
+    setattr(mod, name, wrapper)
+for mod, names in ((attnres_triton, ("mix_fwd", "mix_bwd")),
+                   (situ_triton, ("situ_fwd", "situ_bwd")),
+                   (short_conv_triton, ("conv_fwd", "conv_bwd")),
+                   (rms_norm_triton, ("norm_fwd", "norm_bwd"))):
+    for n in names:
+        counted(mod, n)
+
+def rel(a, b):
+    if not torch.isfinite(a).all():
+        return float("inf")
+    return float((a.double() - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+torch.manual_seed(0)
+worst = {}
+for n, B, T, d in [(0, 1, 3, 8), (2, 2, 5, 16), (8, 1, 3, 40), (1, 1, 3, 1100)]:
+    for dtype in (torch.float32, torch.bfloat16):
+        scale = torch.logspace(-1, 1, n + 1)[:, None, None, None]
+        src = (torch.randn(n + 1, B, T, d) * scale).to(dtype)
+        w, q = torch.rand(d) + 0.5, torch.randn(d) * 0.2
+        leaves = [src[:-1].clone().requires_grad_(), src[-1].clone().requires_grad_(),
+                  w.clone().requires_grad_(), q.clone().requires_grad_()]
+        out = attnres_mix(*leaves, 1e-5)
+        g = torch.randn(B, T, d).to(dtype)
+        grads = torch.autograd.grad(out, leaves, g, allow_unused=True)
+        ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+        rb, rx, rw, rq = ref_leaves
+        ref = attnres_mix_reference(torch.cat([rb, rx[None]]), rw * rq, 1e-5)
+        ref_grads = torch.autograd.grad(ref, ref_leaves, g.double(), allow_unused=True)
+        errs = [rel(out, ref)] + [rel(a, b) for a, b in zip(grads, ref_grads)
+                                  if a is not None and a.numel() and b is not None]
+        key = f"attnres {dtype}"
+        worst[key] = max(worst.get(key, 0.0), *errs)
+        assert out.dtype == dtype and grads[0].dtype == dtype
+
+for dtype in (torch.float32, torch.bfloat16):
+    mag = torch.logspace(-9, 2.5, 2000)
+    g = (torch.randn(2000) * mag).to(dtype).requires_grad_()
+    u = (torch.randn(2000) * mag.flip(0)).to(dtype).requires_grad_()
+    out = situ_glu(g, u)
+    do = torch.randn(2000).to(dtype)
+    grads = torch.autograd.grad(out, (g, u), do)
+    rg, ru = g.detach().double().requires_grad_(), u.detach().double().requires_grad_()
+    ref = situ_glu_reference(rg, ru)
+    ref_grads = torch.autograd.grad(ref, (rg, ru), do.double())
+    # elementwise relative error (each element is its own kernel lane)
+    elem = lambda a, b: float(((a.double() - b).abs() / b.abs().clamp_min(1e-12)).max()
+                              if torch.isfinite(a).all() else float("inf"))
+    worst[f"situ {dtype}"] = max(elem(out, ref), *(elem(a, b) for a, b in zip(grads, ref_grads)))
+for B, T, C, K in [(2, 10, 8, 4), (1, 70, 100, 4), (3, 33, 64, 2)]:
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(B, T, C).to(dtype).requires_grad_()
+        w = (0.5 * torch.randn(C, K)).requires_grad_()
+        # rows with documents of 30% / 50% of the row and one whole row; row ends cut taps too
+        pos = torch.stack([torch.arange(T).remainder(int(T * f) + 1) for f in (0.3, 0.5, 1.0)][:B])
+        y = short_conv_silu(x, w, pos)
+        g = torch.randn_like(y)
+        grads = torch.autograd.grad(y, (x, w), g)
+        xr, wr = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+        yr = short_conv_silu_reference(xr, wr, pos)
+        ref_grads = torch.autograd.grad(yr, (xr, wr), g.double())
+        key = f"conv {dtype}"
+        worst[key] = max(worst.get(key, 0.0), rel(y, yr),
+                         *(rel(a, b) for a, b in zip(grads, ref_grads)))
+for shape in [(3, 5, 16), (7, 300), (5, 5000)]:
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(shape) * 3).to(dtype)
+        w = 1 + 0.3 * torch.randn(shape[-1])
+        for name, fn, ref_fn, leaves in (
+                ("rms", lambda a, b: rms_norm(a, b, 1e-5),
+                 lambda a, b: rms_norm_reference(a, b, 1e-5), [x, w]),
+                ("l2", lambda a: l2_norm(a, 1e-6), lambda a: l2_norm_reference(a, 1e-6), [x])):
+            leaves = [t.clone().requires_grad_() for t in leaves]
+            y = fn(*leaves)
+            g = torch.randn_like(y)
+            grads = torch.autograd.grad(y, leaves, g)
+            ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+            yr = ref_fn(*ref_leaves)
+            ref_grads = torch.autograd.grad(yr, ref_leaves, g.double())
+            key = f"norm {dtype}"
+            worst[key] = max(worst.get(key, 0.0), rel(y, yr),
+                             *(rel(a, b) for a, b in zip(grads, ref_grads)))
+print(json.dumps({"worst": worst, "calls": calls}))
+"""
+
+
+def test_triton_kernels_interpreted() -> None:
+    pytest.importorskip("triton", reason="triton not installed: the Triton kernels are untested")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT),
+               K3_ATTNRES_BACKEND="triton", K3_SITU_BACKEND="triton", K3_CONV_BACKEND="triton",
+               K3_NORM_BACKEND="triton")
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    worst, calls = out["worst"], out["calls"]
+    assert calls == {"mix_fwd": 8, "mix_bwd": 8, "situ_fwd": 2, "situ_bwd": 2, "conv_fwd": 6,
+                     "conv_bwd": 6, "norm_fwd": 12, "norm_bwd": 12}, calls
+    assert worst["attnres torch.float32"] < 2e-5, worst
+    assert worst["attnres torch.bfloat16"] < 2e-2, worst  # bf16 outputs: ~2^-8 rounding
+    assert worst["situ torch.float32"] < 5e-6, worst
+    assert worst["situ torch.bfloat16"] < 1e-2, worst
+    assert worst["conv torch.float32"] < 1e-5, worst
+    assert worst["conv torch.bfloat16"] < 2e-2, worst
+    assert worst["norm torch.float32"] < 1e-5, worst
+    assert worst["norm torch.bfloat16"] < 2e-2, worst
