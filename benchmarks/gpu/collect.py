@@ -51,6 +51,7 @@ def stage(name: str, rc: str, wall: str, stdout: str, stderr: str) -> dict:
                 "error": why.get(code, f"no JSON line from the stage (exit code {rc})"),
                 "stderr_tail": "\n".join(se.strip().splitlines()[-20:])[-3000:],
                 "stdout_tail": "\n".join(so.strip().splitlines()[-5:])[-1000:]}
+    line["stage"] = name  # the suite's name (g_launcher.py runs as launcher and launcher_compiled)
     line["rc"], line["wall_s"] = code, float(wall)
     if code in (124, 137):
         line["timed_out"] = True
