@@ -3,6 +3,7 @@
     python benchmarks/gpu/collect.py stage NAME RC WALL_S STDOUT_FILE STDERR_FILE
     python benchmarks/gpu/collect.py skip NAME WHY
     python benchmarks/gpu/collect.py summary RESULTS_FILE WALL_S
+    python benchmarks/gpu/collect.py passed RESULTS_FILE NAME KEY   (exit 0 if ok and KEY)
     python benchmarks/gpu/collect.py table RESULTS_FILE
 
 `stage`: the stage's own JSON line (the last line of its stdout that parses), with "rc" and
@@ -17,6 +18,7 @@ step) and the step-level line: stage step's measured step time against the roofl
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -58,11 +60,19 @@ def stage(name: str, rc: str, wall: str, stdout: str, stderr: str) -> dict:
     return line
 
 
+def passed(results: str, name: str, key: str) -> bool:
+    """Whether stage `name`'s line in `results` has ok and a true `key`."""
+    rows = [json.loads(x) for x in read(results).splitlines() if x.strip().startswith("{")]
+    rows = [r for r in rows if r.get("stage") == name]
+    return bool(rows) and bool(rows[-1].get("ok")) and bool(rows[-1].get(key))
+
+
 def summary(results: str, wall: str) -> dict:
     rows = [json.loads(x) for x in read(results).splitlines() if x.strip().startswith("{")]
     stages = {r.get("stage", "?"): bool(r.get("ok")) for r in rows}
     out: dict = {"stage": "summary", "ok": bool(stages) and all(stages.values()),
-                 "stages": stages, "wall_s": float(wall)}
+                 "stages": stages, "wall_s": float(wall),
+                 "fused_fallback": os.environ.get("K3_GPU_SUITE_FUSED_FALLBACK") == "1"}
     by = {r.get("stage"): r for r in rows}
     f, g = by.get("step", {}), by.get("launcher", {})
     if f.get("losses") and g.get("losses"):
@@ -131,6 +141,8 @@ def main(argv: list[str]) -> int:
     if kind == "table":
         print(table(argv[1]), flush=True)
         return 0
+    if kind == "passed":
+        return 0 if passed(*argv[1:4]) else 1
     if kind == "stage":
         line = stage(*argv[1:6])
     elif kind == "skip":

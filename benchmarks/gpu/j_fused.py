@@ -1,14 +1,19 @@
-"""Stage j (fused): our Triton AttnRes mix and SiTU-GLU kernels against their references.
+"""Stage j (fused): our Triton AttnRes mix, SiTU-GLU, short-conv and row-norm kernels against
+their references.
 
     python benchmarks/gpu/j_fused.py [--device cuda] [--small]
 
 AttnRes: k3_small's widest mix (8 snapshots + the prefix, hidden 2048, 4096 tokens) and K3's
 (hidden 7168, 4096 tokens), bf16 sources, fp32 norm weight and pseudo-query (std 0.02 query, as
 trained); SiTU-GLU: the expert activations of a k3_small micro-batch (4096 tokens x top-8 x
-1024), bf16. The reference is the autograd-differentiated formula (`*_reference`) in fp32 on
-the same bf16 values. Reports errors of the output and every gradient (rel_err), and ms of
-forward and forward + backward for the kernel (the model's op: `k3::attnres_mix` /
-`k3::situ_glu`, backend triton) and for the reference, which is what the step ran before.
+1024), bf16; the short conv and RMSNorm on k3_small's KDA projections (4096 tokens x 4096
+channels, 4 documents), the L2 norm over [4096, 32, 128] heads. The reference is the
+autograd-differentiated formula (`*_reference`) in fp32 on the same bf16 values. Reports
+errors of the output and every gradient (rel_err), and ms of forward and forward + backward for
+the kernel (the model's op: `k3::attnres_mix`, `k3::situ_glu`, `k3::short_conv`,
+`k3::row_norm`, backend triton) and for the reference, which is what the step ran before.
+`within_tol` false makes gpu_suite.sh run the later stages on the PyTorch paths
+(K3_*_BACKEND=torch), so one bad kernel does not cost the step measurements.
 `--small` (CPU smoke run): tiny shapes, the PyTorch backends of the same ops.
 """
 
@@ -21,7 +26,11 @@ import gpu_common as common
 import torch
 
 from model.ops.attnres import attnres_mix, attnres_mix_reference
+from model.ops.rms_norm import l2_norm, l2_norm_reference, rms_norm, rms_norm_reference
+from model.ops.short_conv import short_conv_silu, short_conv_silu_reference
 from model.ops.situ import situ_glu, situ_glu_reference
+
+BACKEND_VARS = ("K3_ATTNRES_BACKEND", "K3_SITU_BACKEND", "K3_CONV_BACKEND", "K3_NORM_BACKEND")
 
 TOL = {"norm_rel": 1e-2}  # bf16 outputs and gradients against fp32 maths
 
@@ -85,15 +94,52 @@ def _situ_case(ctx: common.Ctx, rows: int, cols: int) -> tuple[dict, dict]:
     return errs, times
 
 
+def _elementwise_case(ctx: common.Ctx, name: str, shape: tuple[int, ...]) -> tuple[dict, dict]:
+    """The short conv ([1, T, C], 4 documents) or a row norm over `shape`, bf16."""
+    dev = ctx.device
+    gen = torch.Generator(device=dev).manual_seed(2)
+    x = torch.randn(*shape, generator=gen, device=dev).to(torch.bfloat16)
+    g = torch.randn(*shape, generator=gen, device=dev).to(torch.bfloat16)
+    if name == "short_conv":
+        w = 0.3 * torch.randn(shape[-1], 4, generator=gen, device=dev)
+        pos = torch.arange(shape[1], device=dev).remainder(shape[1] // 4)[None]
+        pair = (lambda a, b: short_conv_silu(a, b, pos),
+                lambda a, b: short_conv_silu_reference(a, b, pos))
+        leaves = [x, w]
+    elif name == "rms_norm":
+        w = 1 + 0.1 * torch.randn(shape[-1], generator=gen, device=dev)
+        pair = (lambda a, b: rms_norm(a, b, 1e-5), lambda a, b: rms_norm_reference(a, b, 1e-5))
+        leaves = [x, w]
+    else:
+        pair = (lambda a: l2_norm(a, 1e-6), lambda a: l2_norm_reference(a, 1e-6))
+        leaves = [x]
+
+    def run(fn, dtype, backward: bool = True):
+        ls = _leaves(leaves, None)
+        if dtype is not None:
+            ls = [t.detach().to(dtype).requires_grad_() for t in ls]
+        y = fn(*ls)
+        return [y, *torch.autograd.grad(y, ls, g.to(y.dtype))] if backward else [y]
+
+    kernel = functools.partial(run, pair[0], None)
+    reference = functools.partial(run, pair[1], torch.float32)
+    names = ["out", "d_x", "d_weight"][:len(leaves) + 1]
+    errs = _errors(kernel(), reference(), names)
+    times = {k: common.fwd_bwd_timing(ctx, fn) for k, fn in
+             (("kernel", kernel), ("reference", reference)) if ctx.left() > 8}
+    return errs, times
+
+
 def main(ctx: common.Ctx, out: dict) -> bool:
     if ctx.cuda:  # the kernels, not a fallback: fail loudly if triton is unusable
-        os.environ.setdefault("K3_ATTNRES_BACKEND", "triton")
-        os.environ.setdefault("K3_SITU_BACKEND", "triton")
+        for var in BACKEND_VARS:
+            os.environ.setdefault(var, "triton")
     attn = [(3, 64, 256)] if ctx.small else [(8, 2048, 4096), (8, 7168, 4096)]
     situ = (256, 96) if ctx.small else (4096 * 8, 1024)
-    out.update(attnres_cases=attn, situ_case=situ, tol=TOL,
-               backends={k: os.environ.get(k, "auto")
-                         for k in ("K3_ATTNRES_BACKEND", "K3_SITU_BACKEND")})
+    conv = (1, 256, 96) if ctx.small else (1, 4096, 4096)
+    heads = (1, 256, 4, 32) if ctx.small else (1, 4096, 32, 128)
+    out.update(attnres_cases=attn, situ_case=situ, conv_case=conv, l2_case=heads, tol=TOL,
+               backends={k: os.environ.get(k, "auto") for k in BACKEND_VARS})
     timings: dict = {}
     ok = True
     for n, d, tokens in attn:
@@ -106,7 +152,12 @@ def main(ctx: common.Ctx, out: dict) -> bool:
     if res is not None:
         out["situ"], timings["situ"] = res
         ok &= res[0]["within_tol"]
-    out["within_tol"] = bool(ok)
+    for key, shape in (("short_conv", conv), ("rms_norm", conv), ("l2_norm", heads)):
+        res = common.attempt(out, key, functools.partial(_elementwise_case, ctx, key, shape))
+        if res is not None:
+            out[key], timings[key] = res
+            ok &= res[0]["within_tol"]
+    out["within_tol"] = bool(ok) and not out.get("failed")
     out["timings"] = timings
     return True
 

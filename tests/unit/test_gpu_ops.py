@@ -150,3 +150,15 @@ def test_stage_runs_on_cpu_and_collect_makes_its_table(debug_trace, monkeypatch,
     assert md.count("\n| `aten.") == 6 and "sum of the 6 measured" in md
     ratio = 0.5 / out["predicted_step_s"]
     assert "stage step 0.500 s (step 2 (timed), 128 tokens" in md and f"{ratio:.2f}." in md
+
+
+def test_collect_passed_gates_the_fused_fallback(tmp_path):
+    """gpu_suite.sh runs the later stages on the PyTorch paths unless stage fused passed."""
+    results = tmp_path / "r.jsonl"
+    results.write_text('{"stage": "fused", "ok": true, "within_tol": false}\n')
+    assert not collect.passed(str(results), "fused", "within_tol")
+    results.write_text('{"stage": "fused", "ok": true, "within_tol": true}\n')
+    assert collect.passed(str(results), "fused", "within_tol")
+    assert not collect.passed(str(tmp_path / "missing.jsonl"), "fused", "within_tol")
+    results.write_text('{"stage": "fused", "ok": false, "skipped": "suite budget"}\n')
+    assert not collect.passed(str(results), "fused", "within_tol")
