@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from model.ops.rms_norm import l2_norm, rms_norm
+from model.ops.rms_norm import gated_rms_norm, l2_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -30,9 +30,7 @@ class GatedRMSNorm(RMSNorm):
     fla's FusedRMSNormGated with activation='sigmoid'; one weight [D] shared by all heads."""
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        y = super().forward(x)
-        compute = torch.promote_types(y.dtype, torch.float32)
-        return (y.to(compute) * torch.sigmoid(gate.to(compute))).to(x.dtype)
+        return gated_rms_norm(x, self.weight, gate, self.eps)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

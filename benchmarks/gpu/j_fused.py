@@ -7,7 +7,8 @@ AttnRes: k3_small's widest mix (8 snapshots + the prefix, hidden 2048, 4096 toke
 (hidden 7168, 4096 tokens), bf16 sources, fp32 norm weight and pseudo-query (std 0.02 query, as
 trained); SiTU-GLU: the expert activations of a k3_small micro-batch (4096 tokens x top-8 x
 1024), bf16; the short conv and RMSNorm on k3_small's KDA projections (4096 tokens x 4096
-channels, 4 documents), the L2 norm over [4096, 32, 128] heads. The reference is the
+channels, 4 documents), KDA's sigmoid-gated output norm and the L2 norm over [4096, 32, 128]
+heads. The reference is the
 autograd-differentiated formula (`*_reference`) in fp32 on the same bf16 values. Reports
 errors of the output and every gradient (rel_err), and ms of forward and forward + backward for
 the kernel (the model's op: `k3::attnres_mix`, `k3::situ_glu`, `k3::short_conv`,
@@ -26,7 +27,14 @@ import gpu_common as common
 import torch
 
 from model.ops.attnres import attnres_mix, attnres_mix_reference
-from model.ops.rms_norm import l2_norm, l2_norm_reference, rms_norm, rms_norm_reference
+from model.ops.rms_norm import (
+    gated_rms_norm,
+    gated_rms_norm_reference,
+    l2_norm,
+    l2_norm_reference,
+    rms_norm,
+    rms_norm_reference,
+)
 from model.ops.short_conv import short_conv_silu, short_conv_silu_reference
 from model.ops.situ import situ_glu, situ_glu_reference
 
@@ -110,6 +118,12 @@ def _elementwise_case(ctx: common.Ctx, name: str, shape: tuple[int, ...]) -> tup
         w = 1 + 0.1 * torch.randn(shape[-1], generator=gen, device=dev)
         pair = (lambda a, b: rms_norm(a, b, 1e-5), lambda a, b: rms_norm_reference(a, b, 1e-5))
         leaves = [x, w]
+    elif name == "gated_rms_norm":
+        w = 1 + 0.1 * torch.randn(shape[-1], generator=gen, device=dev)
+        z = torch.randn(*shape, generator=gen, device=dev).to(torch.bfloat16)
+        pair = (lambda a, b, c: gated_rms_norm(a, b, c, 1e-5),
+                lambda a, b, c: gated_rms_norm_reference(a, b, c, 1e-5))
+        leaves = [x, w, z]
     else:
         pair = (lambda a: l2_norm(a, 1e-6), lambda a: l2_norm_reference(a, 1e-6))
         leaves = [x]
@@ -123,7 +137,7 @@ def _elementwise_case(ctx: common.Ctx, name: str, shape: tuple[int, ...]) -> tup
 
     kernel = functools.partial(run, pair[0], None)
     reference = functools.partial(run, pair[1], torch.float32)
-    names = ["out", "d_x", "d_weight"][:len(leaves) + 1]
+    names = ["out", "d_x", "d_weight", "d_gate"][:len(leaves) + 1]
     errs = _errors(kernel(), reference(), names)
     times = {k: common.fwd_bwd_timing(ctx, fn) for k, fn in
              (("kernel", kernel), ("reference", reference)) if ctx.left() > 8}
@@ -152,7 +166,8 @@ def main(ctx: common.Ctx, out: dict) -> bool:
     if res is not None:
         out["situ"], timings["situ"] = res
         ok &= res[0]["within_tol"]
-    for key, shape in (("short_conv", conv), ("rms_norm", conv), ("l2_norm", heads)):
+    for key, shape in (("short_conv", conv), ("rms_norm", conv), ("gated_rms_norm", heads),
+                       ("l2_norm", heads)):
         res = common.attempt(out, key, functools.partial(_elementwise_case, ctx, key, shape))
         if res is not None:
             out[key], timings[key] = res

@@ -1,7 +1,9 @@
 """Numeric ops: each has a pure-PyTorch reference (the test oracle) and fast backends by device.
 
 The MXFP8 GEMMs live in `model.ops.mx_linear` (`mx_linear`, `mx_grouped_mm`). The fast
-backends are `torch.library` custom ops (`torch.ops.k3.*`) with fake implementations,
+backends (library kernels, and our Triton kernels in `*_triton.py` for the AttnRes mix,
+SiTU-GLU, the short conv and the row norms) are `torch.library` custom ops (`torch.ops.k3.*`)
+with fake implementations,
 registered on every machine, so fake-tensor traces and torch.compile see one node each;
 `model.ops.backends.force_cuda_backends()` selects them on any device.
 
@@ -14,6 +16,8 @@ from model.ops.attnres import attnres_mix, attnres_weights
 from model.ops.grouped_gemm import grouped_mm
 from model.ops.kda import chunk_kda, recurrent_kda
 from model.ops.mx import fake_quantize_mx, mx_dequantize, mx_quantize, pad_to_block
+from model.ops.rms_norm import gated_rms_norm, l2_norm, rms_norm
+from model.ops.short_conv import short_conv_silu
 from model.ops.situ import situ_glu
 
 HOST_SYNC_OPS = {
@@ -27,7 +31,7 @@ HOST_SYNC_OPS = {
 
 __all__ = [
     "HOST_SYNC_OPS",
-    "attnres_mix", "attnres_weights", "chunk_kda", "fake_quantize_mx", "grouped_mm",
-    "mx_dequantize", "mx_quantize", "pad_to_block",
-    "recurrent_kda", "situ_glu",
+    "attnres_mix", "attnres_weights", "chunk_kda", "fake_quantize_mx", "gated_rms_norm",
+    "grouped_mm", "l2_norm", "mx_dequantize", "mx_quantize", "pad_to_block",
+    "recurrent_kda", "rms_norm", "short_conv_silu", "situ_glu",
 ]

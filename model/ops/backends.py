@@ -6,7 +6,14 @@ take their CUDA path (fla KDA, varlen attention, `torch._grouped_mm`) whatever t
 whether or not the library imports: under `FakeTensorMode` on CPU-device fake tensors their
 custom ops' fake implementations stand in, so a CPU machine traces exactly the op graph an
 H200 would run (a CPU-only torch build aborts on autograd over fake CUDA tensors).
-Outside a fake-tensor trace, forcing on a CPU machine fails at the first real kernel call.
+Outside a fake-tensor trace, forcing on a CPU machine fails at the first real kernel call
+(our own fused kernels fall back to their PyTorch formulas there instead).
+
+Our fused kernels (AttnRes mix, SiTU-GLU, short conv, row norms) choose with
+`fused_backend(device, dtype, env)` ("triton" on CUDA, else "torch"; `K3_*_BACKEND` overrides)
+inside their custom ops, and `use_fused_kernel(t, env)` tells the model whether to call the
+custom op at all (a constant for torch.compile); `kernel_programs` sizes their row-strided
+backward grids.
 """
 
 from __future__ import annotations

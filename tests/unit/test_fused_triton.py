@@ -9,7 +9,8 @@ snapshots (9 sources, 16 lanes), d not a power of two and wider than one d-tile,
 than backward programs (the strided row loop and its masked tail); SiTU covers 1e-9 .. 3e2 and
 both signs (the written-out tanh); the conv covers K 2 and 4, documents that reset inside a
 row, row ends, channels not a multiple of the tile and several row tiles (the weight-gradient
-partials); the norms (RMSNorm with its weight, L2 without) cover d over one 4096-wide tile and
+partials); the norms (RMSNorm with its weight, sigmoid-gated, L2 without) cover d over one
+4096-wide tile and
 the strided backward rows. All against float64. The script asserts every kernel actually ran.
 """
 
@@ -29,7 +30,8 @@ _SCRIPT = r"""
 import json
 import torch
 from model.ops import attnres_triton, rms_norm_triton, short_conv_triton, situ_triton
-from model.ops.rms_norm import l2_norm, l2_norm_reference, rms_norm, rms_norm_reference
+from model.ops.rms_norm import (gated_rms_norm, gated_rms_norm_reference, l2_norm,
+                                l2_norm_reference, rms_norm, rms_norm_reference)
 from model.ops.attnres import attnres_mix, attnres_mix_reference
 from model.ops.short_conv import short_conv_silu, short_conv_silu_reference
 from model.ops.situ import situ_glu, situ_glu_reference
@@ -108,9 +110,13 @@ for shape in [(3, 5, 16), (7, 300), (5, 5000)]:
     for dtype in (torch.float32, torch.bfloat16):
         x = (torch.randn(shape) * 3).to(dtype)
         w = 1 + 0.3 * torch.randn(shape[-1])
+        z = (torch.randn(shape) * 2).to(dtype)
         for name, fn, ref_fn, leaves in (
                 ("rms", lambda a, b: rms_norm(a, b, 1e-5),
                  lambda a, b: rms_norm_reference(a, b, 1e-5), [x, w]),
+                # the float64 reference of the gated norm: no rounding before the gate
+                ("gated", lambda a, b, c: gated_rms_norm(a, b, c, 1e-5),
+                 lambda a, b, c: gated_rms_norm_reference(a, b, c, 1e-5), [x, w, z]),
                 ("l2", lambda a: l2_norm(a, 1e-6), lambda a: l2_norm_reference(a, 1e-6), [x])):
             leaves = [t.clone().requires_grad_() for t in leaves]
             y = fn(*leaves)
@@ -137,7 +143,7 @@ def test_triton_kernels_interpreted() -> None:
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     worst, calls = out["worst"], out["calls"]
     assert calls == {"mix_fwd": 8, "mix_bwd": 8, "situ_fwd": 2, "situ_bwd": 2, "conv_fwd": 6,
-                     "conv_bwd": 6, "norm_fwd": 12, "norm_bwd": 12}, calls
+                     "conv_bwd": 6, "norm_fwd": 18, "norm_bwd": 18}, calls
     assert worst["attnres torch.float32"] < 2e-5, worst
     assert worst["attnres torch.bfloat16"] < 2e-2, worst  # bf16 outputs: ~2^-8 rounding
     assert worst["situ torch.float32"] < 5e-6, worst
