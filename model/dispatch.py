@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from model.balancing import count_ids
+from model.ops.combine import weighted_combine
 
 
 def _combine_dtype(topk_weight: torch.Tensor) -> torch.Tensor:
@@ -58,9 +59,5 @@ class LocalDispatcher:
         return experts.w1, experts.w3, experts.w2
 
     def combine(self, y: torch.Tensor, handle: LocalHandle) -> torch.Tensor:
-        S, k = handle.topk_weight.shape
-        inverse = torch.empty_like(handle.order)
-        inverse[handle.order] = torch.arange(handle.order.numel(), device=y.device)
-        y_tk = y[inverse].view(S, k, -1)  # [S, k, l] back in (token, k) order
-        w = handle.topk_weight  # fp32 (fp64 in the float64 verification mode)
-        return (y_tk.to(w.dtype) * w.unsqueeze(-1)).sum(1)  # [S, l]
+        # [S, l] in the weights' dtype: fp32 (fp64 in the float64 verification mode)
+        return weighted_combine(y, handle.order, handle.topk_weight)

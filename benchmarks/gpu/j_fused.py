@@ -8,11 +8,13 @@ AttnRes: k3_small's widest mix (8 snapshots + the prefix, hidden 2048, 4096 toke
 trained); SiTU-GLU: the expert activations of a k3_small micro-batch (4096 tokens x top-8 x
 1024), bf16; the short conv and RMSNorm on k3_small's KDA projections (4096 tokens x 4096
 channels, 4 documents), KDA's sigmoid-gated output norm and the L2 norm over [4096, 32, 128]
-heads. The reference is the
+heads; the MoE combine of 4096 tokens x top-8 x latent 1024 (bf16 expert outputs, fp32
+weights). The reference is the
 autograd-differentiated formula (`*_reference`) in fp32 on the same bf16 values. Reports
 errors of the output and every gradient (rel_err), and ms of forward and forward + backward for
 the kernel (the model's op: `k3::attnres_mix`, `k3::situ_glu`, `k3::short_conv`,
-`k3::row_norm`, backend triton) and for the reference, which is what the step ran before.
+`k3::row_norm`, `k3::moe_combine`, backend triton) and for the reference, which is what the
+step ran before.
 `within_tol` false makes gpu_suite.sh run the later stages on the PyTorch paths
 (K3_*_BACKEND=torch), so one bad kernel does not cost the step measurements.
 `--small` (CPU smoke run): tiny shapes, the PyTorch backends of the same ops.
@@ -27,6 +29,7 @@ import gpu_common as common
 import torch
 
 from model.ops.attnres import attnres_mix, attnres_mix_reference
+from model.ops.combine import weighted_combine, weighted_combine_reference
 from model.ops.rms_norm import (
     gated_rms_norm,
     gated_rms_norm_reference,
@@ -38,7 +41,8 @@ from model.ops.rms_norm import (
 from model.ops.short_conv import short_conv_silu, short_conv_silu_reference
 from model.ops.situ import situ_glu, situ_glu_reference
 
-BACKEND_VARS = ("K3_ATTNRES_BACKEND", "K3_SITU_BACKEND", "K3_CONV_BACKEND", "K3_NORM_BACKEND")
+BACKEND_VARS = ("K3_ATTNRES_BACKEND", "K3_SITU_BACKEND", "K3_CONV_BACKEND", "K3_NORM_BACKEND",
+                "K3_COMBINE_BACKEND")
 
 TOL = {"norm_rel": 1e-2}  # bf16 outputs and gradients against fp32 maths
 
@@ -106,8 +110,9 @@ def _elementwise_case(ctx: common.Ctx, name: str, shape: tuple[int, ...]) -> tup
     """The short conv ([1, T, C], 4 documents) or a row norm over `shape`, bf16."""
     dev = ctx.device
     gen = torch.Generator(device=dev).manual_seed(2)
-    x = torch.randn(*shape, generator=gen, device=dev).to(torch.bfloat16)
-    g = torch.randn(*shape, generator=gen, device=dev).to(torch.bfloat16)
+    if name != "combine":
+        x = torch.randn(*shape, generator=gen, device=dev).to(torch.bfloat16)
+        g = torch.randn(*shape, generator=gen, device=dev).to(torch.bfloat16)
     if name == "short_conv":
         w = 0.3 * torch.randn(shape[-1], 4, generator=gen, device=dev)
         pos = torch.arange(shape[1], device=dev).remainder(shape[1] // 4)[None]
@@ -117,6 +122,15 @@ def _elementwise_case(ctx: common.Ctx, name: str, shape: tuple[int, ...]) -> tup
     elif name == "rms_norm":
         w = 1 + 0.1 * torch.randn(shape[-1], generator=gen, device=dev)
         pair = (lambda a, b: rms_norm(a, b, 1e-5), lambda a, b: rms_norm_reference(a, b, 1e-5))
+        leaves = [x, w]
+    elif name == "combine":  # shape: (tokens, top-k, latent)
+        S, k, lat = shape
+        x = torch.randn(S * k, lat, generator=gen, device=dev).to(torch.bfloat16)
+        g = torch.randn(S, lat, generator=gen, device=dev)
+        w = torch.rand(S, k, generator=gen, device=dev)
+        order = torch.randperm(S * k, device=dev)
+        pair = (lambda a, b: weighted_combine(a, order, b),
+                lambda a, b: weighted_combine_reference(a, order, b))
         leaves = [x, w]
     elif name == "gated_rms_norm":
         w = 1 + 0.1 * torch.randn(shape[-1], generator=gen, device=dev)
@@ -166,8 +180,9 @@ def main(ctx: common.Ctx, out: dict) -> bool:
     if res is not None:
         out["situ"], timings["situ"] = res
         ok &= res[0]["within_tol"]
+    combine = (64, 4, 96) if ctx.small else (4096, 8, 1024)
     for key, shape in (("short_conv", conv), ("rms_norm", conv), ("gated_rms_norm", heads),
-                       ("l2_norm", heads)):
+                       ("l2_norm", heads), ("combine", combine)):
         res = common.attempt(out, key, functools.partial(_elementwise_case, ctx, key, shape))
         if res is not None:
             out[key], timings[key] = res

@@ -9,7 +9,8 @@ meaning is known:
 * index arguments of gather / scatter / index_select / index_add / embedding / index /
   index_put / nll_loss / one_hot: uniform in the valid range of the dimension they index;
 * `cu_seqlens*` (varlen attention, fla KDA): the traced step's document bounds;
-  `offs` of k3::grouped_mm(_wgrad): equal groups over the rows;
+  `offs` of k3::grouped_mm(_wgrad): equal groups over the rows; `inverse` of
+  k3::moe_combine(_bwd): a random permutation of the rows;
 * ops that only compute with integers (comparisons, arithmetic, casts, sorts, cumsum, ...),
   and the other integer arguments of the index ops (what they gather or add): 1..4 (no zero
   divisors);
@@ -186,6 +187,8 @@ class _Builder:
                 raise NotReplayable(f"offs of strides {spec.stride}")
             ends = [round((i + 1) * rows / groups) for i in range(groups)]  # equal groups
             return torch.tensor(ends, dtype=dt, device=dev)
+        if self.op in ("k3.moe_combine", "k3.moe_combine_bwd") and name == "inverse":
+            return torch.randperm(n, device=dev).to(dt)  # a permutation of y's rows
         if dt == torch.bool and self.op in LIST_INDEX_OPS and name == "indices":
             raise NotReplayable("boolean mask index (data-dependent output size)")
         high = _index_high(self.op, name, pos, self.named)

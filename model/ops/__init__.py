@@ -2,10 +2,10 @@
 
 The MXFP8 GEMMs live in `model.ops.mx_linear` (`mx_linear`, `mx_grouped_mm`). The fast
 backends (library kernels, and our Triton kernels in `*_triton.py` for the AttnRes mix,
-SiTU-GLU, the short conv and the row norms) are `torch.library` custom ops (`torch.ops.k3.*`)
-with fake implementations,
-registered on every machine, so fake-tensor traces and torch.compile see one node each;
-`model.ops.backends.force_cuda_backends()` selects them on any device.
+SiTU-GLU, the short conv, the row norms and the MoE combine) are `torch.library` custom ops
+(`torch.ops.k3.*`) with fake implementations, registered on every machine, so fake-tensor
+traces and torch.compile see one node each; `model.ops.backends.force_cuda_backends()` selects
+them on any device.
 
 Host synchronisation: the GPU path syncs nowhere. `HOST_SYNC_OPS` lists the places that may
 still read tensor data on the host, each because its CUDA path is a library kernel that needs
@@ -13,6 +13,7 @@ the value, or because it is a reference path that the GPU never takes.
 """
 
 from model.ops.attnres import attnres_mix, attnres_weights
+from model.ops.combine import weighted_combine
 from model.ops.grouped_gemm import grouped_mm
 from model.ops.kda import chunk_kda, recurrent_kda
 from model.ops.mx import fake_quantize_mx, mx_dequantize, mx_quantize, pad_to_block
@@ -33,5 +34,5 @@ __all__ = [
     "HOST_SYNC_OPS",
     "attnres_mix", "attnres_weights", "chunk_kda", "fake_quantize_mx", "gated_rms_norm",
     "grouped_mm", "l2_norm", "mx_dequantize", "mx_quantize", "pad_to_block",
-    "recurrent_kda", "rms_norm", "short_conv_silu", "situ_glu",
+    "recurrent_kda", "rms_norm", "short_conv_silu", "situ_glu", "weighted_combine",
 ]

@@ -1,10 +1,11 @@
-"""Our Triton kernels (AttnRes mix, SiTU-GLU, short conv, row norms) under TRITON_INTERPRET=1.
+"""Our Triton kernels (AttnRes mix, SiTU-GLU, short conv, row norms, MoE combine) under
+TRITON_INTERPRET=1.
 
 One subprocess (the variable must be set before triton.jit runs) with K3_ATTNRES_BACKEND,
-K3_SITU_BACKEND, K3_CONV_BACKEND and K3_NORM_BACKEND forced to "triton" runs the model's ops
-forward and backward on CPU tensors and compares them with the autograd-differentiated
-reference formulas in float64 (`*_reference`; independent of the kernels' hand-written
-backward). AttnRes shapes cover no snapshots, K3's 8
+K3_SITU_BACKEND, K3_CONV_BACKEND, K3_NORM_BACKEND and K3_COMBINE_BACKEND forced to "triton"
+runs the model's ops forward and backward on CPU tensors and compares them with the
+autograd-differentiated reference formulas in float64 (`*_reference`; independent of the
+kernels' hand-written backward). AttnRes shapes cover no snapshots, K3's 8
 snapshots (9 sources, 16 lanes), d not a power of two and wider than one d-tile, and more rows
 than backward programs (the strided row loop and its masked tail); SiTU covers 1e-9 .. 3e2 and
 both signs (the written-out tanh); the conv covers K 2 and 4, documents that reset inside a
@@ -29,7 +30,9 @@ ROOT = Path(__file__).resolve().parents[2]
 _SCRIPT = r"""
 import json
 import torch
-from model.ops import attnres_triton, rms_norm_triton, short_conv_triton, situ_triton
+from model.ops import (attnres_triton, combine_triton, rms_norm_triton, short_conv_triton,
+                       situ_triton)
+from model.ops.combine import weighted_combine, weighted_combine_reference
 from model.ops.rms_norm import (gated_rms_norm, gated_rms_norm_reference, l2_norm,
                                 l2_norm_reference, rms_norm, rms_norm_reference)
 from model.ops.attnres import attnres_mix, attnres_mix_reference
@@ -46,7 +49,8 @@ def counted(mod, name):
 for mod, names in ((attnres_triton, ("mix_fwd", "mix_bwd")),
                    (situ_triton, ("situ_fwd", "situ_bwd")),
                    (short_conv_triton, ("conv_fwd", "conv_bwd")),
-                   (rms_norm_triton, ("norm_fwd", "norm_bwd"))):
+                   (rms_norm_triton, ("norm_fwd", "norm_bwd")),
+                   (combine_triton, ("combine_fwd", "combine_bwd"))):
     for n in names:
         counted(mod, n)
 
@@ -128,6 +132,21 @@ for shape in [(3, 5, 16), (7, 300), (5, 5000)]:
             key = f"norm {dtype}"
             worst[key] = max(worst.get(key, 0.0), rel(y, yr),
                              *(rel(a, b) for a, b in zip(grads, ref_grads)))
+for S, k, l in [(5, 2, 8), (37, 8, 300), (3, 1, 20)]:  # tokens over one tile, l over one tile
+    for dtype in (torch.float32, torch.bfloat16):
+        y = torch.randn(S * k, l).to(dtype).requires_grad_()
+        order = torch.randperm(S * k)
+        w = torch.rand(S, k).requires_grad_()
+        out = weighted_combine(y, order, w)
+        g = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (y, w), g)
+        yr, wr = y.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+        ref = weighted_combine_reference(yr, order, wr)
+        ref_grads = torch.autograd.grad(ref, (yr, wr), g.double())
+        key = f"combine {dtype}"
+        worst[key] = max(worst.get(key, 0.0), rel(out, ref),
+                         *(rel(a, b) for a, b in zip(grads, ref_grads)))
+        assert out.dtype == torch.float32 and grads[0].dtype == dtype
 print(json.dumps({"worst": worst, "calls": calls}))
 """
 
@@ -136,14 +155,15 @@ def test_triton_kernels_interpreted() -> None:
     pytest.importorskip("triton", reason="triton not installed: the Triton kernels are untested")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT),
                K3_ATTNRES_BACKEND="triton", K3_SITU_BACKEND="triton", K3_CONV_BACKEND="triton",
-               K3_NORM_BACKEND="triton")
+               K3_NORM_BACKEND="triton", K3_COMBINE_BACKEND="triton")
     proc = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     worst, calls = out["worst"], out["calls"]
     assert calls == {"mix_fwd": 8, "mix_bwd": 8, "situ_fwd": 2, "situ_bwd": 2, "conv_fwd": 6,
-                     "conv_bwd": 6, "norm_fwd": 18, "norm_bwd": 18}, calls
+                     "conv_bwd": 6, "norm_fwd": 18, "norm_bwd": 18,
+                     "combine_fwd": 6, "combine_bwd": 6}, calls
     assert worst["attnres torch.float32"] < 2e-5, worst
     assert worst["attnres torch.bfloat16"] < 2e-2, worst  # bf16 outputs: ~2^-8 rounding
     assert worst["situ torch.float32"] < 5e-6, worst
@@ -152,3 +172,5 @@ def test_triton_kernels_interpreted() -> None:
     assert worst["conv torch.bfloat16"] < 2e-2, worst
     assert worst["norm torch.float32"] < 1e-5, worst
     assert worst["norm torch.bfloat16"] < 2e-2, worst
+    assert worst["combine torch.float32"] < 1e-5, worst
+    assert worst["combine torch.bfloat16"] < 2e-2, worst
