@@ -59,6 +59,19 @@ def rel(a, b):
         return float("inf")
     return float((a.double() - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
+def compare(key, fn, ref_fn, leaves):
+    # fn(*leaves) and its gradients against ref_fn in float64; the worst relative error to key
+    leaves = [t.detach().clone().requires_grad_() for t in leaves]
+    out = fn(*leaves)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, g)
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    ref = ref_fn(*ref_leaves)
+    ref_grads = torch.autograd.grad(ref, ref_leaves, g.double())
+    worst[key] = max(worst.get(key, 0.0), rel(out, ref),
+                     *(rel(a, b) for a, b in zip(grads, ref_grads)))
+    return out, grads
+
 torch.manual_seed(0)
 worst = {}
 for n, B, T, d in [(0, 1, 3, 8), (2, 2, 5, 16), (8, 1, 3, 40), (1, 1, 3, 1100)]:
@@ -97,19 +110,11 @@ for dtype in (torch.float32, torch.bfloat16):
     worst[f"situ {dtype}"] = max(elem(out, ref), *(elem(a, b) for a, b in zip(grads, ref_grads)))
 for B, T, C, K in [(2, 10, 8, 4), (1, 70, 100, 4), (3, 33, 64, 2)]:
     for dtype in (torch.float32, torch.bfloat16):
-        x = torch.randn(B, T, C).to(dtype).requires_grad_()
-        w = (0.5 * torch.randn(C, K)).requires_grad_()
+        x, w = torch.randn(B, T, C).to(dtype), 0.5 * torch.randn(C, K)
         # rows with documents of 30% / 50% of the row and one whole row; row ends cut taps too
         pos = torch.stack([torch.arange(T).remainder(int(T * f) + 1) for f in (0.3, 0.5, 1.0)][:B])
-        y = short_conv_silu(x, w, pos)
-        g = torch.randn_like(y)
-        grads = torch.autograd.grad(y, (x, w), g)
-        xr, wr = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
-        yr = short_conv_silu_reference(xr, wr, pos)
-        ref_grads = torch.autograd.grad(yr, (xr, wr), g.double())
-        key = f"conv {dtype}"
-        worst[key] = max(worst.get(key, 0.0), rel(y, yr),
-                         *(rel(a, b) for a, b in zip(grads, ref_grads)))
+        compare(f"conv {dtype}", lambda a, b: short_conv_silu(a, b, pos),
+                lambda a, b: short_conv_silu_reference(a, b, pos), [x, w])
 for shape in [(3, 5, 16), (7, 300), (5, 5000)]:
     for dtype in (torch.float32, torch.bfloat16):
         x = (torch.randn(shape) * 3).to(dtype)
@@ -122,30 +127,13 @@ for shape in [(3, 5, 16), (7, 300), (5, 5000)]:
                 ("gated", lambda a, b, c: gated_rms_norm(a, b, c, 1e-5),
                  lambda a, b, c: gated_rms_norm_reference(a, b, c, 1e-5), [x, w, z]),
                 ("l2", lambda a: l2_norm(a, 1e-6), lambda a: l2_norm_reference(a, 1e-6), [x])):
-            leaves = [t.clone().requires_grad_() for t in leaves]
-            y = fn(*leaves)
-            g = torch.randn_like(y)
-            grads = torch.autograd.grad(y, leaves, g)
-            ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
-            yr = ref_fn(*ref_leaves)
-            ref_grads = torch.autograd.grad(yr, ref_leaves, g.double())
-            key = f"norm {dtype}"
-            worst[key] = max(worst.get(key, 0.0), rel(y, yr),
-                             *(rel(a, b) for a, b in zip(grads, ref_grads)))
+            compare(f"norm {dtype}", fn, ref_fn, leaves)
 for S, k, l in [(5, 2, 8), (37, 8, 300), (3, 1, 20)]:  # tokens over one tile, l over one tile
     for dtype in (torch.float32, torch.bfloat16):
-        y = torch.randn(S * k, l).to(dtype).requires_grad_()
         order = torch.randperm(S * k)
-        w = torch.rand(S, k).requires_grad_()
-        out = weighted_combine(y, order, w)
-        g = torch.randn_like(out)
-        grads = torch.autograd.grad(out, (y, w), g)
-        yr, wr = y.detach().double().requires_grad_(), w.detach().double().requires_grad_()
-        ref = weighted_combine_reference(yr, order, wr)
-        ref_grads = torch.autograd.grad(ref, (yr, wr), g.double())
-        key = f"combine {dtype}"
-        worst[key] = max(worst.get(key, 0.0), rel(out, ref),
-                         *(rel(a, b) for a, b in zip(grads, ref_grads)))
+        out, grads = compare(f"combine {dtype}", lambda a, b: weighted_combine(a, order, b),
+                             lambda a, b: weighted_combine_reference(a, order, b),
+                             [torch.randn(S * k, l).to(dtype), torch.rand(S, k)])
         assert out.dtype == torch.float32 and grads[0].dtype == dtype
 print(json.dumps({"worst": worst, "calls": calls}))
 """
