@@ -7,6 +7,7 @@ import math
 import torch
 from torch import nn
 
+from model.ops.backends import cuda_backends_forced
 from train.config import OptimConfig
 
 
@@ -20,8 +21,6 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     multi-tensor kernel per step for the whole update, as torchtitan defaults to); elsewhere
     torch's default implementation. Fake-tensor traces with CUDA backends forced (the roofline)
     take the CUDA choice."""
-    from model.ops.backends import cuda_backends_forced
-
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:

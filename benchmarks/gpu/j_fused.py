@@ -1,5 +1,5 @@
-"""Stage j (fused): our Triton AttnRes mix, SiTU-GLU, short-conv and row-norm kernels against
-their references.
+"""Stage j (fused): our Triton AttnRes mix, SiTU-GLU, short-conv, row-norm and MoE-combine
+kernels against their references.
 
     python benchmarks/gpu/j_fused.py [--device cuda] [--small]
 

@@ -27,7 +27,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from model.ops.backends import fused_backend
+from model.ops.backends import compute_dtype, triton_chosen
+
+_ENV = "K3_ATTNRES_BACKEND"
 
 
 def attnres_mix_reference(sources: Tensor, query: Tensor, eps: float = 1e-5) -> Tensor:
@@ -63,10 +65,6 @@ def attnres_mix(blocks: Tensor, prefix: Tensor, norm_weight: Tensor, query: Tens
         raise ValueError(f"norm_weight {tuple(norm_weight.shape)} and query "
                          f"{tuple(query.shape)} must be [{d}]")
     return _mix_op(blocks.contiguous(), prefix.contiguous(), norm_weight, query, eps)[0]
-
-
-def _backend(t: Tensor) -> str:
-    return fused_backend(t.device, t.dtype, "K3_ATTNRES_BACKEND")
 
 
 # ----------------------------------------------------------------------------- PyTorch passes
@@ -111,17 +109,13 @@ def _mix_bwd_torch(dout: Tensor, blocks: Tensor, prefix: Tensor, wq: Tensor, rst
 
 
 # ----------------------------------------------------------------------------- custom ops
-def _compute(prefix: Tensor) -> torch.dtype:
-    return torch.promote_types(prefix.dtype, torch.float32)
-
-
 @torch.library.custom_op("k3::attnres_mix", mutates_args=())
 def _mix_op(blocks: Tensor, prefix: Tensor, norm_weight: Tensor, query: Tensor, eps: float
             ) -> tuple[Tensor, Tensor, Tensor]:
     """(mixed [..., d] in prefix's dtype, rstd [N, ...] and logits [N, ...] in fp32 or fp64)."""
-    compute = _compute(prefix)
+    compute = compute_dtype(prefix)
     wq = norm_weight.to(compute) * query.to(compute)
-    if _backend(prefix) == "triton":
+    if triton_chosen(prefix, _ENV):
         from model.ops import attnres_triton
 
         out, rstd, logits = attnres_triton.mix_fwd(blocks, prefix, wq, eps)
@@ -134,7 +128,7 @@ def _mix_op(blocks: Tensor, prefix: Tensor, norm_weight: Tensor, query: Tensor, 
 @_mix_op.register_fake
 def _(blocks, prefix, norm_weight, query, eps):
     stats = (blocks.shape[0] + 1, *prefix.shape[:-1])
-    compute = _compute(prefix)
+    compute = compute_dtype(prefix)
     return (prefix.new_empty(prefix.shape), prefix.new_empty(stats, dtype=compute),
             prefix.new_empty(stats, dtype=compute))
 
@@ -144,12 +138,12 @@ def _mix_bwd_op(dout: Tensor, blocks: Tensor, prefix: Tensor, norm_weight: Tenso
                 query: Tensor, rstd: Tensor, logits: Tensor
                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients (d blocks, d prefix, d norm_weight, d query) of k3::attnres_mix."""
-    compute = _compute(prefix)
+    compute = compute_dtype(prefix)
     nw, q = norm_weight.to(compute), query.to(compute)
     wq = nw * q
     N = blocks.shape[0] + 1
     r, lg = rstd.reshape(N, -1), logits.reshape(N, -1)
-    if _backend(prefix) == "triton":
+    if triton_chosen(prefix, _ENV):
         from model.ops import attnres_triton
 
         db, dx, dwq = attnres_triton.mix_bwd(dout.contiguous(), blocks, prefix, wq, r, lg)

@@ -21,6 +21,7 @@ import triton.language as tl
 from torch import Tensor
 
 from model.ops.backends import kernel_programs
+from model.ops.triton_rows import strided_row
 
 
 @triton.jit
@@ -71,9 +72,7 @@ def _mix_bwd_kernel(blocks_ptr, prefix_ptr, wq_ptr, dout_ptr, rstd_ptr, logit_pt
                     D: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
     pid = tl.program_id(0)
     for i in range(0, ROWS):  # rows pid, pid + P, ...; the last may run past M (masked)
-        r = pid + i * P
-        valid = r < M
-        row = tl.where(valid, r, 0).to(tl.int64)
+        row, valid = strided_row(pid, i, P, M)
         lanes = tl.arange(0, BN)
         live = lanes <= NB  # an invalid row recomputes row 0 and stores nothing
         rstd = tl.load(rstd_ptr + lanes * M + row, mask=live, other=0.0)

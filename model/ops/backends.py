@@ -9,11 +9,11 @@ H200 would run (a CPU-only torch build aborts on autograd over fake CUDA tensors
 Outside a fake-tensor trace, forcing on a CPU machine fails at the first real kernel call
 (our own fused kernels fall back to their PyTorch formulas there instead).
 
-Our fused kernels (AttnRes mix, SiTU-GLU, short conv, row norms) choose with
-`fused_backend(device, dtype, env)` ("triton" on CUDA, else "torch"; `K3_*_BACKEND` overrides)
-inside their custom ops, and `use_fused_kernel(t, env)` tells the model whether to call the
-custom op at all (a constant for torch.compile); `kernel_programs` sizes their row-strided
-backward grids.
+Our fused kernels (AttnRes mix, SiTU-GLU, short conv, row norms, MoE combine) choose with
+`fused_backend(device, dtype, env)` ("triton" on CUDA, else "torch"; `K3_*_BACKEND` overrides):
+`triton_chosen(t, env)` inside their custom ops, `use_fused_kernel(t, env)` in the model to
+decide whether to call the custom op at all (a constant for torch.compile); `compute_dtype` is
+their maths dtype and `kernel_programs` sizes their row-strided backward grids.
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ def force_cuda_backends(enabled: bool = True) -> Iterator[None]:
 
 
 def fused_backend(device: torch.device, dtype: torch.dtype, env: str) -> str:
-    """"triton" or "torch" for our own fused kernels (AttnRes mix, SiTU-GLU, short conv, norms).
+    """"triton" or "torch" for our own fused kernels (AttnRes mix, SiTU-GLU, short conv, norms,
+    MoE combine).
 
     `env` names the override variable ("auto" by default; "torch"; "triton", which also runs on
     CPU tensors under TRITON_INTERPRET=1, how the tests check the kernels). auto: Triton on CUDA
@@ -59,6 +60,16 @@ def fused_backend(device: torch.device, dtype: torch.dtype, env: str) -> str:
     if mode == "triton":
         return "triton"
     return "triton" if device.type == "cuda" and _triton_imports() else "torch"
+
+
+def triton_chosen(t: torch.Tensor, env: str) -> bool:
+    """Whether a fused op's implementation runs its Triton kernel on `t` (else PyTorch)."""
+    return fused_backend(t.device, t.dtype, env) == "triton"
+
+
+def compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """The fused ops' maths dtype for `t`: fp32, float64 staying float64."""
+    return torch.promote_types(t.dtype, torch.float32)
 
 
 def use_fused_kernel(t: torch.Tensor, env: str) -> bool:

@@ -4,13 +4,14 @@ out[s] = sum_j w[s, j] * y[inverse[s * k + j]], inverse = the permutation undoin
 of y belongs to flat (token, k) pair order[r]), accumulated in w's dtype (fp32, or fp64 in the
 verification mode), deterministic (no atomics).
 
-* `weighted_combine(y, order, topk_weight)`: what the dispatchers call (`model.dispatch`,
-  `moonep.dispatch`). With the Triton backend (CUDA, 16/32-bit y, or `K3_COMBINE_BACKEND=triton`;
-  and in fake-tensor traces under `force_cuda_backends()`) it is the custom op `k3::moe_combine`
-  / `k3::moe_combine_bwd` over our kernels (`model.ops.combine_triton`): one gathered read of y
-  and one fp32 write forward, instead of a gathered copy, an fp32 copy and a product; backward
-  scatters w * dout into y's layout (a permutation: no conflicts) and reduces d w per row.
-  Otherwise it is the reference below.
+* `weighted_combine(y, order, topk_weight)`: what the local dispatcher calls (`model.dispatch`;
+  `moonep.dispatch` keeps its own combine: moonep imports nothing from `model/`). With the
+  Triton backend (CUDA, 16/32-bit y, or `K3_COMBINE_BACKEND=triton`; and in fake-tensor traces
+  under `force_cuda_backends()`) it is the custom op `k3::moe_combine` / `k3::moe_combine_bwd`
+  over our kernels (`model.ops.combine_triton`): one gathered read of y and one fp32 write
+  forward, instead of a gathered copy, an fp32 copy and a product; backward scatters w * dout
+  into y's layout (a permutation: no conflicts) and reduces d w per row. Otherwise it is the
+  reference below.
 * `weighted_combine_reference`: gather, cast, multiply, sum under autograd (the oracle).
 """
 
@@ -19,7 +20,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from model.ops.backends import fused_backend, use_fused_kernel
+from model.ops.backends import triton_chosen, use_fused_kernel
+
+_ENV = "K3_COMBINE_BACKEND"
 
 
 def inverse_order(order: Tensor) -> Tensor:
@@ -30,9 +33,13 @@ def inverse_order(order: Tensor) -> Tensor:
 
 
 def weighted_combine_reference(y: Tensor, order: Tensor, topk_weight: Tensor) -> Tensor:
-    S, k = topk_weight.shape
-    y_tk = y[inverse_order(order)].view(S, k, y.shape[-1])  # [S, k, l] in (token, k) order
-    return (y_tk.to(topk_weight.dtype) * topk_weight.unsqueeze(-1)).sum(1)
+    return _gather_weighted(y, inverse_order(order), topk_weight)
+
+
+def _gather_weighted(y: Tensor, inverse: Tensor, w: Tensor) -> Tensor:
+    S, k = w.shape
+    y_tk = y[inverse].view(S, k, y.shape[-1])  # [S, k, l] in (token, k) order
+    return (y_tk.to(w.dtype) * w.unsqueeze(-1)).sum(1)
 
 
 def weighted_combine(y: Tensor, order: Tensor, topk_weight: Tensor) -> Tensor:
@@ -41,24 +48,19 @@ def weighted_combine(y: Tensor, order: Tensor, topk_weight: Tensor) -> Tensor:
     if y.shape[0] != S * k or order.shape != (S * k,):
         raise ValueError(f"combine: y {tuple(y.shape)} and order {tuple(order.shape)} must "
                          f"have S*k = {S * k} rows")
-    if not use_fused_kernel(y, "K3_COMBINE_BACKEND"):
+    if not use_fused_kernel(y, _ENV):
         return weighted_combine_reference(y, order, topk_weight)
     return _combine_op(y.contiguous(), inverse_order(order), topk_weight.contiguous())
-
-
-def _triton(y: Tensor) -> bool:
-    return fused_backend(y.device, y.dtype, "K3_COMBINE_BACKEND") == "triton"
 
 
 @torch.library.custom_op("k3::moe_combine", mutates_args=())
 def _combine_op(y: Tensor, inverse: Tensor, w: Tensor) -> Tensor:
     """[S, l] in w's dtype: sum_j w[s, j] y[inverse[s k + j]]."""
-    if _triton(y):
+    if triton_chosen(y, _ENV):
         from model.ops import combine_triton
 
         return combine_triton.combine_fwd(y, inverse, w)
-    S, k = w.shape
-    return (y[inverse].view(S, k, -1).to(w.dtype) * w.unsqueeze(-1)).sum(1)
+    return _gather_weighted(y, inverse, w)
 
 
 @_combine_op.register_fake
@@ -71,7 +73,7 @@ def _combine_bwd_op(dout: Tensor, y: Tensor, inverse: Tensor, w: Tensor
                     ) -> tuple[Tensor, Tensor]:
     """(d y in y's dtype and layout: dy[inverse[s k + j]] = w[s, j] dout[s]; d w [S, k]:
     <y[inverse[s k + j]], dout[s]>)."""
-    if _triton(y):
+    if triton_chosen(y, _ENV):
         from model.ops import combine_triton
 
         return combine_triton.combine_bwd(dout.contiguous(), y, inverse, w)

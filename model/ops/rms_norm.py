@@ -22,7 +22,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from model.ops.backends import fused_backend, use_fused_kernel
+from model.ops.backends import compute_dtype, triton_chosen, use_fused_kernel
+
+_ENV = "K3_NORM_BACKEND"
 
 
 def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -46,13 +48,13 @@ def l2_norm_reference(x: Tensor, eps: float = 1e-6) -> Tensor:
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    if not _use_kernel(x):
+    if not use_fused_kernel(x, _ENV):
         return rms_norm_reference(x, weight, eps)
     return _norm(x, weight, None, eps, True)
 
 
 def gated_rms_norm(x: Tensor, weight: Tensor, gate: Tensor, eps: float) -> Tensor:
-    if not _use_kernel(x):
+    if not use_fused_kernel(x, _ENV):
         return gated_rms_norm_reference(x, weight, gate, eps)
     if gate.shape != x.shape:
         raise ValueError(f"gate {tuple(gate.shape)} must match x {tuple(x.shape)}")
@@ -60,7 +62,7 @@ def gated_rms_norm(x: Tensor, weight: Tensor, gate: Tensor, eps: float) -> Tenso
 
 
 def l2_norm(x: Tensor, eps: float = 1e-6) -> Tensor:
-    if not _use_kernel(x):
+    if not use_fused_kernel(x, _ENV):
         return l2_norm_reference(x, eps)
     return _norm(x, None, None, eps, False)
 
@@ -73,20 +75,8 @@ def _norm(x: Tensor, weight: Tensor | None, gate: Tensor | None, eps: float, mea
     return _norm_op(x.contiguous(), weight, gate, float(eps), mean)[0]
 
 
-def _use_kernel(t: Tensor) -> bool:
-    return use_fused_kernel(t, "K3_NORM_BACKEND")
-
-
-def _triton(t: Tensor) -> bool:
-    return fused_backend(t.device, t.dtype, "K3_NORM_BACKEND") == "triton"
-
-
-def _compute(x: Tensor) -> torch.dtype:
-    return torch.promote_types(x.dtype, torch.float32)
-
-
 def _rstd_torch(x: Tensor, eps: float, mean: bool) -> Tensor:
-    xf = x.to(_compute(x))
+    xf = x.to(compute_dtype(x))
     ss = xf.pow(2).mean(-1) if mean else xf.pow(2).sum(-1)
     return torch.rsqrt(ss + eps)
 
@@ -95,12 +85,12 @@ def _rstd_torch(x: Tensor, eps: float, mean: bool) -> Tensor:
 def _norm_op(x: Tensor, weight: Tensor | None, gate: Tensor | None, eps: float, mean: bool
              ) -> tuple[Tensor, Tensor]:
     """(y in x's dtype, rstd [...] in fp32 / fp64)."""
-    if _triton(x):
+    if triton_chosen(x, _ENV):
         from model.ops import rms_norm_triton
 
         return rms_norm_triton.norm_fwd(x, weight, gate, eps, mean)
     rstd = _rstd_torch(x, eps, mean)
-    y = x.to(_compute(x)) * rstd[..., None]
+    y = x.to(compute_dtype(x)) * rstd[..., None]
     if weight is not None:
         y = y * weight.to(y.dtype)
     if gate is not None:
@@ -110,7 +100,7 @@ def _norm_op(x: Tensor, weight: Tensor | None, gate: Tensor | None, eps: float, 
 
 @_norm_op.register_fake
 def _(x, weight, gate, eps, mean):
-    return torch.empty_like(x), x.new_empty(x.shape[:-1], dtype=_compute(x))
+    return torch.empty_like(x), x.new_empty(x.shape[:-1], dtype=compute_dtype(x))
 
 
 @torch.library.custom_op("k3::row_norm_bwd", mutates_args=())
@@ -119,11 +109,11 @@ def _norm_bwd_op(dy: Tensor, x: Tensor, weight: Tensor | None, gate: Tensor | No
     """(d x in x's dtype, d weight in weight's dtype or [0] without a weight, d gate or [0]):
     with s = sigmoid(gate) (1 without), n = xhat w, xhat = x r: d gate = dy n s (1 - s);
     g = dy s w; dx = r (g - xhat * scale * sum(g xhat)); dw = sum_rows dy s xhat."""
-    if _triton(x):
+    if triton_chosen(x, _ENV):
         from model.ops import rms_norm_triton
 
         return rms_norm_triton.norm_bwd(dy.contiguous(), x, weight, gate, rstd, mean)
-    compute = _compute(x)
+    compute = compute_dtype(x)
     r = rstd.to(compute)[..., None]
     xhat = x.to(compute) * r
     dyf = dy.to(compute)

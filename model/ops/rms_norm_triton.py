@@ -19,6 +19,7 @@ import triton.language as tl
 from torch import Tensor
 
 from model.ops.backends import kernel_programs
+from model.ops.triton_rows import strided_row
 
 
 @triton.jit
@@ -51,9 +52,7 @@ def _norm_bwd_kernel(dy_ptr, x_ptr, w_ptr, gate_ptr, rstd_ptr, dx_ptr, dgate_ptr
                      HAS_W: tl.constexpr, HAS_GATE: tl.constexpr, BD: tl.constexpr):
     pid = tl.program_id(0)
     for i in range(0, ROWS):  # rows pid, pid + P, ...; the last may run past M (masked)
-        r_idx = pid + i * P
-        valid = r_idx < M
-        row = tl.where(valid, r_idx, 0).to(tl.int64)
+        row, valid = strided_row(pid, i, P, M)
         r = tl.load(rstd_ptr + row)
         acc = tl.zeros([BD], dtype=tl.float32)
         for d0 in range(0, D, BD):

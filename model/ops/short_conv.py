@@ -22,13 +22,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from model.ops.backends import fused_backend, use_fused_kernel
+from model.ops.backends import compute_dtype, triton_chosen, use_fused_kernel
+
+_ENV = "K3_CONV_BACKEND"
 
 
 def short_conv_silu_reference(x: Tensor, weight: Tensor, pos_in_doc: Tensor) -> Tensor:
     """x [B, T, C], weight [C, K], pos_in_doc [B, T] -> silu(conv(x)) [B, T, C] in x's dtype."""
     T, K = x.shape[1], weight.shape[-1]
-    compute = torch.promote_types(x.dtype, torch.float32)
+    compute = compute_dtype(x)
     xf = x.to(compute)
     w = weight.to(compute)
     y = xf * w[:, -1]
@@ -44,7 +46,7 @@ def _conv_bwd_torch(dy: Tensor, x: Tensor, weight: Tensor, pos_in_doc: Tensor
     """The backward written out (forced off CUDA, float64): dz = dy silu'(z);
     dx_t = sum_s dz_{t+s} w[K-1-s] keep_s(t+s); dw[:, K-1-s] = sum dz_t x_{t-s} keep_s(t)."""
     T, K = x.shape[1], weight.shape[-1]
-    compute = torch.promote_types(x.dtype, torch.float32)
+    compute = compute_dtype(x)
     xf, w, g = x.to(compute), weight.to(compute), dy.to(compute)
     keeps = [(pos_in_doc >= s).unsqueeze(-1).to(compute) for s in range(K)]  # [B, T, 1]
     z = xf * w[:, -1]
@@ -68,23 +70,15 @@ def short_conv_silu(x: Tensor, weight: Tensor, pos_in_doc: Tensor) -> Tensor:
         raise ValueError(f"short conv: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
                          f"pos_in_doc {tuple(pos_in_doc.shape)} do not fit [B, T, C], [C, K], "
                          "[B, T]")
-    if not _use_kernel(x):
+    if not use_fused_kernel(x, _ENV):
         return short_conv_silu_reference(x, weight, pos_in_doc)
     return _conv_op(x.contiguous(), weight.contiguous(), pos_in_doc.contiguous())
-
-
-def _use_kernel(t: Tensor) -> bool:
-    return use_fused_kernel(t, "K3_CONV_BACKEND")
-
-
-def _triton(t: Tensor) -> bool:
-    return fused_backend(t.device, t.dtype, "K3_CONV_BACKEND") == "triton"
 
 
 @torch.library.custom_op("k3::short_conv", mutates_args=())
 def _conv_op(x: Tensor, weight: Tensor, pos_in_doc: Tensor) -> Tensor:
     """silu(causal depthwise conv) with document resets, in x's dtype."""
-    if _triton(x):
+    if triton_chosen(x, _ENV):
         from model.ops import short_conv_triton
 
         return short_conv_triton.conv_fwd(x, weight, pos_in_doc)
@@ -101,7 +95,7 @@ def _(x, weight, pos_in_doc):
 def _conv_bwd_op(dy: Tensor, x: Tensor, weight: Tensor, pos_in_doc: Tensor
                  ) -> tuple[Tensor, Tensor]:
     """(d x in x's dtype, d weight in weight's dtype) of k3::short_conv."""
-    if _triton(x):
+    if triton_chosen(x, _ENV):
         from model.ops import short_conv_triton
 
         return short_conv_triton.conv_bwd(dy.contiguous(), x, weight, pos_in_doc)

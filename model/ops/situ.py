@@ -21,10 +21,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from model.ops.backends import fused_backend, use_fused_kernel
+from model.ops.backends import compute_dtype, triton_chosen, use_fused_kernel
 
 SITU_BETA = 4.0
 SITU_LINEAR_BETA = 25.0
+_ENV = "K3_SITU_BACKEND"
 
 
 def situ_glu_reference(gate: Tensor, up: Tensor, beta: float = SITU_BETA,
@@ -43,28 +44,16 @@ def situ_glu(gate: Tensor, up: Tensor, beta: float = SITU_BETA,
     """SiTU(gate) * softcap(up), elementwise, fp32 inside; the result in gate's dtype."""
     if gate.dtype != up.dtype:
         raise ValueError(f"gate ({gate.dtype}) and up ({up.dtype}) must share a dtype")
-    if not _use_kernel(gate):
+    if not use_fused_kernel(gate, _ENV):
         return situ_glu_reference(gate, up, beta, linear_beta)
     if gate.shape != up.shape:
         gate, up = torch.broadcast_tensors(gate, up)
     return _situ_op(gate.contiguous(), up.contiguous(), float(beta), float(linear_beta))
 
 
-def _backend(t: Tensor) -> str:
-    return fused_backend(t.device, t.dtype, "K3_SITU_BACKEND")
-
-
-def _use_kernel(t: Tensor) -> bool:
-    return use_fused_kernel(t, "K3_SITU_BACKEND")
-
-
-def _compute(t: Tensor) -> torch.dtype:
-    return torch.promote_types(t.dtype, torch.float32)
-
-
 def _bwd_torch(dout: Tensor, gate: Tensor, up: Tensor, b1: float, b2: float
                ) -> tuple[Tensor, Tensor]:
-    compute = _compute(gate)
+    compute = compute_dtype(gate)
     g, u, do = gate.to(compute), up.to(compute), dout.to(compute)
     tg, sg, tu = torch.tanh(g / b1), torch.sigmoid(g), torch.tanh(u / b2)
     dsitu = (1 - tg * tg).mul_(sg).add_(b1 * tg * sg * (1 - sg))
@@ -76,7 +65,7 @@ def _bwd_torch(dout: Tensor, gate: Tensor, up: Tensor, b1: float, b2: float
 @torch.library.custom_op("k3::situ_glu", mutates_args=())
 def _situ_op(gate: Tensor, up: Tensor, beta: float, linear_beta: float) -> Tensor:
     """SiTU(gate) * softcap(up) in gate's dtype."""
-    if _backend(gate) == "triton":
+    if triton_chosen(gate, _ENV):
         from model.ops import situ_triton
 
         return situ_triton.situ_fwd(gate, up, beta, linear_beta)
@@ -92,7 +81,7 @@ def _(gate, up, beta, linear_beta):
 def _situ_bwd_op(dout: Tensor, gate: Tensor, up: Tensor, beta: float, linear_beta: float
                  ) -> tuple[Tensor, Tensor]:
     """(d gate, d up) of k3::situ_glu, in the inputs' dtype."""
-    if _backend(gate) == "triton":
+    if triton_chosen(gate, _ENV):
         from model.ops import situ_triton
 
         return situ_triton.situ_bwd(dout.contiguous(), gate, up, beta, linear_beta)
