@@ -61,7 +61,8 @@ its parameters' optimizer step: needed for the full `k3`, whose whole step is to
   that (fla's backward ~2x forward, plus the forward it re-runs); `k3::grouped_mm` and
   `k3::grouped_mm_wgrad` 2*rows*in*out. Kernels per op: 1, except KDA forward 6 and backward 16
   (fla 0.6 chunk_kda: cumsum, intra, solve, w/u, h, o; the backward re-runs the forward, then
-  ~10 more), varlen forward 3 (v pad, FlashAttention, output slice) and backward 8 (3 pads, rng
+  ~10 more; +3 forward and +9 backward with KDA's prologue in fla, `KDA_PROLOGUE_KERNELS`),
+  varlen forward 3 (v pad, FlashAttention, output slice) and backward 8 (3 pads, rng
   zeros, 3 FlashAttention-backward kernels, slice), foreach ops as CUDA's multi_tensor_apply
   launches them (<= 110/64/48/36/30 tensors for 1-5 lists, <= 320 blocks of 65536 elements).
   Non-GEMM ops get 1 FLOP per element (`vector_flops`, reported apart from `traced_flops`).
@@ -185,6 +186,10 @@ FUSED_OPS = {"k3.attnres_mix", "k3.attnres_mix_bwd", "k3.situ_glu", "k3.situ_glu
              "k3.moe_combine", "k3.moe_combine_bwd"}
 KERNELS = {"k3.chunk_kda_fla": 6, "k3.chunk_kda_fla_bwd": 16, "k3.varlen_attention": 3,
            "k3.varlen_attention_backward": 8}
+# KDA's prologue in fla (the ops' last argument, gate_in_kernel): forward 2 l2norm kernels and
+# beta's sigmoid (the gate activation rides the chunk cumsum); the backward re-runs those 3, then
+# the l2norm / sigmoid backwards (3) and the gate backward with its dA_log / ddt_bias sums (3)
+KDA_PROLOGUE_KERNELS = {"k3.chunk_kda_fla": 3, "k3.chunk_kda_fla_bwd": 9}
 
 # no kernel, no bytes: views, metadata and allocation
 NO_KERNEL_OPS = {
@@ -579,6 +584,8 @@ class Trace:
         vflops = 0.0 if matmul or flops else _vector_flops(args, kwargs, out)
         multi = "_foreach_" in name or name.startswith("aten._fused_adam")
         kernels = KERNELS.get(name, _foreach_kernels(args) if multi else 1)
+        if name in KDA_OPS and args[-1] is True:
+            kernels += KDA_PROLOGUE_KERNELS[name]
         self.records.append(OpRecord(name, self.category(name, short), self.phase,
                                      float(flops or 0.0), vflops,
                                      float(_op_bytes(name, func, args, kwargs, out)), kernels,

@@ -1,34 +1,22 @@
 """Kimi Delta Attention layer (k3-architecture.md §1.2-1.3): parameters and glue around the op.
 
-Projections -> short convs (SiLU) -> per-head L2 norm of q/k -> gate and beta -> `chunk_kda` ->
-gated RMSNorm with the full-rank output gate -> output projection. The recurrence itself lives
-in `model.ops.kda`. Gate: K3's lower-bounded `g_min * sigmoid(exp(A_log) * (f + dt_bias))`, or
-Kimi Linear's `-exp(A_log) * softplus(f + dt_bias)` when `gate_lower_bound` is None.
+Projections -> short convs (SiLU) -> `chunk_kda_gated` (per-head L2 norm of q/k, gate and beta
+activation, the recurrence: inside fla's kernels on CUDA) -> gated RMSNorm with the full-rank
+output gate -> output projection. The op lives in `model.ops.kda`. Gate
+(`model.ops.kda.kda_gate`): K3's lower-bounded `g_min * sigmoid(exp(A_log) * (f + dt_bias))`,
+or Kimi Linear's `-exp(A_log) * softplus(f + dt_bias)` when `gate_lower_bound` is None.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from model.config import ModelConfig
-from model.norms import GatedRMSNorm, l2norm
-from model.ops.kda import chunk_kda
+from model.norms import GatedRMSNorm
+from model.ops.kda import KDAGate, chunk_kda_gated
 from model.packing import Packing
 from model.short_conv import ShortConv
-
-
-def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
-             lower_bound: float | None) -> torch.Tensor:
-    """Log-decay g [B, T, H, D] (fp32) from the gate pre-activation f [B, T, H, D]."""
-    H, D = f.shape[-2:]
-    compute = torch.promote_types(f.dtype, torch.float32)
-    x = f.to(compute) + dt_bias.to(compute).view(H, D)
-    a = A_log.to(compute).exp().view(H, 1)
-    if lower_bound is None:
-        return -a * F.softplus(x)
-    return lower_bound * torch.sigmoid(a * x)
 
 
 class KimiDeltaAttention(nn.Module):
@@ -61,16 +49,15 @@ class KimiDeltaAttention(nn.Module):
         q = self.q_conv1d(self.q_proj(x), pos).view(B, T, H, D)
         k = self.k_conv1d(self.k_proj(x), pos).view(B, T, H, D)
         v = self.v_conv1d(self.v_proj(x), pos).view(B, T, H, D)
-        q, k = l2norm(q), l2norm(k)
-        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(B, T, H, D), self.A_log, self.dt_bias,
-                     self.lower_bound)  # [B, T, H, D] fp32
-        beta = torch.sigmoid(self.b_proj(x).to(g.dtype))  # [B, T, H]
+        f = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, D)  # gate pre-activation
+        b = self.b_proj(x)  # [B, T, H] beta logits
+        gate = KDAGate(self.A_log, self.dt_bias, self.lower_bound)
         if packing.packed:  # varlen: one row of B*T tokens with per-document state resets
-            o, _ = chunk_kda(*(t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, beta)),
-                             cu_seqlens=packing.cu_seqlens, chunk_size=self.chunk_size,
-                             cu_seqlens_cpu=packing.cu_seqlens_cpu)
+            o, _ = chunk_kda_gated(*(t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, f, b)),
+                                   gate, cu_seqlens=packing.cu_seqlens, chunk_size=self.chunk_size,
+                                   cu_seqlens_cpu=packing.cu_seqlens_cpu)
             o = o.view(B, T, H, D)
         else:
-            o, _ = chunk_kda(q, k, v, g, beta, chunk_size=self.chunk_size)
+            o, _ = chunk_kda_gated(q, k, v, f, b, gate, chunk_size=self.chunk_size)
         o = self.o_norm(o.to(x.dtype), self.g_proj(x).view(B, T, H, D))  # [B, T, H, D]
         return self.o_proj(o.reshape(B, T, H * D))

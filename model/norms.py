@@ -1,4 +1,6 @@
-"""Normalisation layers used across K3: RMSNorm, gated RMSNorm (KDA output), per-head L2 norm.
+"""Normalisation layers used across K3: RMSNorm and gated RMSNorm (KDA output).
+
+KDA's per-head q/k L2 norm is part of its op (`model.ops.kda.kda_prologue`).
 
 The row maths is `model.ops.rms_norm` (our Triton kernels on CUDA, the reference formulas
 elsewhere).
@@ -9,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from model.ops.rms_norm import gated_rms_norm, l2_norm, rms_norm
+from model.ops.rms_norm import gated_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -32,7 +34,3 @@ class GatedRMSNorm(RMSNorm):
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         return gated_rms_norm(x, self.weight, gate, self.eps)
 
-
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(sum(x^2) + eps) over the last dim (fla l2norm), fp32 inside."""
-    return l2_norm(x, eps)

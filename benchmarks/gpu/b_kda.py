@@ -4,13 +4,18 @@
 
 One packed row of documents of lengths 1, 63, 64, 65 and 4000 (chunk 64; `--small`: 1, 63, 64,
 65, 200), K3-like heads H=8, K=V=128 (`--small`: 2 heads of 32), q and k L2-normalised, gates
-from K3's lower-bounded form (`model.kda.kda_gate` with gate_lower_bound -5, A_log 0 and dt_bias
+from K3's lower-bounded form (`model.ops.kda.kda_gate` with gate_lower_bound -5, A_log 0 and dt_bias
 as initialised), beta = sigmoid. Two input dtypes: "bf16" (q, k, v bf16, g and beta fp32, as
 `KimiDeltaAttention` passes them) and "fp32". The reference runs in fp32 on the same device on
 the fp32 copies of the same values. Per case: the backend used; relative errors (max|d| / max|ref|
 and ||d|| / ||ref||) of o, the per-document final states and the gradients of q, k, v, g, beta
 for one fixed random dO; forward and backward ms of both (best of 3 after a warm-up; "first_ms"
-is the first call: Triton compilation and autotuning). Prints one JSON line.
+is the first call: Triton compilation and autotuning). Case "gated" (what `KimiDeltaAttention`
+runs): `chunk_kda_gated` on the raw bf16 projections (q/k unnormalised, gate pre-activation f,
+beta logits b; fp32 A_log / dt_bias), the prologue inside fla, against `kda_prologue` +
+`chunk_kda_reference` in fp32: errors of o and of dq, dk, dv, df, db, dA_log, ddt_bias, and ms
+against the unfused path (`kda_prologue` in PyTorch, then fla's plain `chunk_kda`). Prints one
+JSON line.
 """
 
 from __future__ import annotations
@@ -23,11 +28,18 @@ import gpu_common as common
 import torch
 import torch.nn.functional as F
 
-from model.kda import kda_gate
-from model.ops.kda import chunk_kda, chunk_kda_reference, kda_backend
+from model.ops.kda import (
+    KDAGate,
+    chunk_kda,
+    chunk_kda_gated,
+    chunk_kda_reference,
+    kda_backend,
+    kda_gate,
+    kda_prologue,
+)
 
 CHUNK = 64
-TOL = {"bf16": 2e-2, "fp32": 5e-3}  # norm_rel of every output and gradient
+TOL = {"bf16": 2e-2, "fp32": 5e-3, "gated": 2e-2}  # norm_rel of every output and gradient
 
 
 def make_inputs(lengths: list[int], H: int, D: int, dev: torch.device, seed: int = 0):
@@ -51,6 +63,37 @@ def make_inputs(lengths: list[int], H: int, D: int, dev: torch.device, seed: int
     return [q, k, v, g, beta], do, cu
 
 
+def make_raw(lengths: list[int], H: int, D: int, dev: torch.device, seed: int = 1):
+    """The layer's raw projections: bf16 q, k (unnormalised), v, f, b; fp32 A_log, dt_bias."""
+    T = sum(lengths)
+    gen = torch.Generator(device=dev).manual_seed(seed)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device=dev)
+
+    u = torch.rand(H * D, generator=gen, device=dev)
+    dt = torch.exp(u * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).clamp(min=1e-4)
+    dt_bias = dt + torch.log(-torch.expm1(-dt))
+    bf16 = [rnd(1, T, H, D).bfloat16() for _ in range(4)] + [rnd(1, T, H).bfloat16()]
+    do = rnd(1, T, H, D).bfloat16()
+    cu = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(torch.int32)
+    return [*bf16, torch.zeros(H, device=dev), dt_bias], do, cu
+
+
+def gated(q, k, v, f, b, A_log, dt_bias, **kw):
+    return chunk_kda_gated(q, k, v, f, b, KDAGate(A_log, dt_bias, -5.0), **kw)
+
+
+def gated_reference(q, k, v, f, b, A_log, dt_bias, **kw):
+    q, k, g, beta = kda_prologue(q, k, f, b, KDAGate(A_log, dt_bias, -5.0))
+    return chunk_kda_reference(q, k, v, g, beta, **kw)
+
+
+def unfused(q, k, v, f, b, A_log, dt_bias, **kw):
+    q, k, g, beta = kda_prologue(q, k, f, b, KDAGate(A_log, dt_bias, -5.0))
+    return chunk_kda(q, k, v, g, beta, **kw)
+
+
 def fwd_bwd(fn, inputs: list[torch.Tensor], do: torch.Tensor, kw: dict):
     leaves = [x.detach().clone().requires_grad_() for x in inputs]
     o, _ = fn(*leaves, **kw)
@@ -65,7 +108,13 @@ def fwd_only(fn, inputs: list[torch.Tensor], kw: dict) -> None:
 
 def case(ctx: common.Ctx, dtype_name: str, lengths: list[int], H: int, D: int) -> dict:
     dev = ctx.device
-    xs, do, cu = make_inputs(lengths, H, D, dev)
+    ours, ref, names = chunk_kda, chunk_kda_reference, ["dq", "dk", "dv", "dg", "dbeta"]
+    if dtype_name == "gated":
+        xs, do, cu = make_raw(lengths, H, D, dev)
+        ours, ref, names = gated, gated_reference, ["dq", "dk", "dv", "df", "db", "dA_log",
+                                                    "ddt_bias"]
+    else:
+        xs, do, cu = make_inputs(lengths, H, D, dev)
     if dtype_name == "bf16":  # q, k, v in bf16; g, beta fp32 (what the model passes)
         xs = [x.to(torch.bfloat16) for x in xs[:3]] + xs[3:]
         do = do.to(torch.bfloat16)
@@ -79,24 +128,25 @@ def case(ctx: common.Ctx, dtype_name: str, lengths: list[int], H: int, D: int) -
 
     ctx.sync()
     t = time.perf_counter()
-    o, grads = fwd_bwd(chunk_kda, xs, do, kw)  # the first call: Triton compiles and autotunes
+    o, grads = fwd_bwd(ours, xs, do, kw)  # the first call: Triton compiles and autotunes
     ctx.sync()
     res["first_fwd_bwd_s"] = time.perf_counter() - t
-    o_ref, grads_ref = fwd_bwd(chunk_kda_reference, ref_in, do.float(), ref_kw)
-    names = ["dq", "dk", "dv", "dg", "dbeta"]
+    o_ref, grads_ref = fwd_bwd(ref, ref_in, do.float(), ref_kw)
     errs = {"o": common.rel_err(o, o_ref)}
     errs.update({n: common.rel_err(a, b) for n, a, b in zip(names, grads, grads_ref)})
     with torch.no_grad():
-        _, s = chunk_kda(*xs, output_final_state=True, **kw)
-        _, s_ref = chunk_kda_reference(*ref_in, output_final_state=True, **ref_kw)
+        _, s = ours(*xs, output_final_state=True, **kw)
+        _, s_ref = ref(*ref_in, output_final_state=True, **ref_kw)
     errs["final_state"] = common.rel_err(s, s_ref)
     res["errors"] = errs
     res["worst_norm_rel"] = common.worst(errs)
     res["within_tol"] = res["worst_norm_rel"] <= TOL[dtype_name]
     del o, grads, o_ref, grads_ref
 
-    for name, fn, inp, d, k in (("ours", chunk_kda, xs, do, kw),
-                                ("ref", chunk_kda_reference, ref_in, do.float(), ref_kw)):
+    timed = [("ours", ours, xs, do, kw), ("ref", ref, ref_in, do.float(), ref_kw)]
+    if dtype_name == "gated":  # the prologue in PyTorch, then fla's plain kernels
+        timed.insert(1, ("unfused", unfused, xs, do, kw))
+    for name, fn, inp, d, k in timed:
         if ctx.left() < 10:
             common.skip(res, f"{name} timing")
             continue
@@ -119,13 +169,13 @@ def main(ctx: common.Ctx, out: dict) -> bool:
     if ctx.cuda and out["backend"] != "fla":
         out.setdefault("failed", []).append("backend")
         out["backend_error"] = "kda_backend(cuda) is not 'fla': fla did not import"
-    for dtype_name in ("bf16", "fp32"):  # bf16 first: what the model runs
+    for dtype_name in ("gated", "bf16", "fp32"):  # gated first: what the model runs
         if ctx.left() < 15:
             common.skip(out, dtype_name)
             continue
         common.attempt(out, dtype_name, lambda d=dtype_name: case(ctx, d, lengths, H, D))
     out["within_tol"] = all(isinstance(out.get(d), dict) and out[d].get("within_tol")
-                            for d in ("bf16", "fp32"))
+                            for d in ("gated", "bf16", "fp32"))
     return True
 
 

@@ -6,7 +6,7 @@ Backends (chosen by device and dtype, never by a Python loop over groups):
   `k3::grouped_mm_wgrad` for dw). One opaque node for torch.compile and fake-tensor traces; the
   group offsets stay on the device (no host sync). It is the CUDA choice, and the one taken
   under `model.ops.backends.force_cuda_backends()`.
-- "padded_bmm": scatter each group into a padded [G, max_rows, in] batch and run one `bmm`;
+- "padded_bmm": each group into the padded [G, max_rows, in] batch of `TokenGroups` and one `bmm`;
   works for every dtype (float64 verification runs) and device, at the cost of one host sync
   (`max_rows`). The reference path only: listed in `model.ops.HOST_SYNC_OPS`.
 """
@@ -18,6 +18,7 @@ import os
 import torch
 
 from model.ops.backends import cuda_backends_forced
+from model.ops.token_groups import TokenGroups
 
 
 def grouped_mm_backend(x: torch.Tensor, w: torch.Tensor) -> str:
@@ -106,13 +107,6 @@ def grouped_mm_wgrad(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor) -> t
 
 
 def _padded_bmm(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
-    G, S = w.shape[0], x.shape[0]
-    sizes = group_sizes.to(torch.long)
-    group_of_row = torch.repeat_interleave(torch.arange(G, device=x.device), sizes, output_size=S)
-    starts = torch.cumsum(sizes, 0) - sizes  # [G]
-    row_in_group = torch.arange(S, device=x.device) - starts[group_of_row]  # [S]
-    max_rows = int(sizes.max().item()) if S > 0 else 0  # the one host sync (reference path)
-    padded = x.new_zeros(G, max_rows, x.shape[1])  # [G, R, in]
-    padded = padded.index_put((group_of_row, row_in_group), x)
-    y = torch.bmm(padded, w.transpose(-2, -1))  # [G, R, out]
-    return y[group_of_row, row_in_group]  # [S, out]
+    groups = TokenGroups(group_sizes, x.shape[0], align=1)
+    y = torch.bmm(groups.batched(x), w.transpose(-2, -1))  # [G, R, out]; R read on the host
+    return groups.unbatch(y)  # [S, out]

@@ -1,12 +1,16 @@
 """Kimi Delta Attention (KDA) operator: public op, backend dispatch and PyTorch references.
 
 What it is for (design doc §1.1, §1.5-1.7):
-* ``chunk_kda``: the op the model calls. On CUDA with ``fla`` importable (or whenever
-  ``model.ops.backends.force_cuda_backends()`` is active) it runs fla's ``chunk_kda`` (Triton,
-  plain semantics: no in-kernel gate/L2-norm/sigmoid) through the ``torch.library`` custom ops
-  ``k3::chunk_kda_fla`` / ``k3::chunk_kda_fla_bwd``: one opaque node each in fake-tensor traces
-  and torch.compile. Everywhere else (CPU CI, no Triton, or ``K3_KDA_BACKEND=torch``) it runs
-  ``chunk_kda_reference``.
+* ``chunk_kda_gated``: the op the layer calls, from raw projections (q/k before their L2 norm,
+  the gate pre-activation, beta's logits, ``KDAGate``). On CUDA with ``fla`` importable (or
+  whenever ``model.ops.backends.force_cuda_backends()`` is active) it runs fla's ``chunk_kda``
+  with the prologue inside fla (q/k L2 norm, gate activation fused with the chunk cumsum,
+  beta's sigmoid; ``safe_gate`` + ``lower_bound`` for K3's bounded gate) through the
+  ``torch.library`` custom ops ``k3::chunk_kda_fla`` / ``k3::chunk_kda_fla_bwd``: one opaque
+  node each in fake-tensor traces and torch.compile. An fla too old for that (< 0.5.2) gets the
+  prologue from ``kda_prologue`` inside the op. Everywhere else (CPU CI, no Triton, or
+  ``K3_KDA_BACKEND=torch``) it runs ``kda_prologue`` then ``chunk_kda_reference``.
+* ``chunk_kda``: the same dispatch for activated inputs (fla's plain semantics).
 * ``chunk_kda_reference``: the chunkwise WY/UT-transform algorithm in pure PyTorch (float32, or
   float64 for float64 inputs), differentiable by autograd, with Python loops over chunks and
   the log2(chunk) levels of its intra-chunk blocks only (static counts, never over tokens).
@@ -29,10 +33,9 @@ the inter-chunk state is reset (multiplied by 0, plus the document's initial sta
 where a document starts. The intra-chunk scores are exact for any decay strength (see
 ``_intra_scores``), with no data-dependent choice of formula.
 
-What it deliberately does NOT do: gate activation (A_log/dt_bias), q/k L2-norm, beta sigmoid
-(callers do these; fla's ``use_*_in_kernel`` flags are never set), GVA (H_v != H), the V-first
-state layout, safe_gate/lower_bound, context parallelism, or a hand-written backward. The reference
-is not a fast kernel.
+What it deliberately does NOT do: GVA (H_v != H), the V-first state layout, fla's
+``allow_neg_eigval``, context parallelism, or a hand-written backward. The reference (and
+``kda_prologue``) is not a fast kernel.
 """
 
 from __future__ import annotations
@@ -43,16 +46,19 @@ import inspect
 import math
 import os
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from model.ops.backends import cuda_backends_forced
+from model.ops.rms_norm import l2_norm
 
 Tensor = torch.Tensor
 KDAOut = tuple[Tensor, Tensor | None]
 
-__all__ = ["chunk_kda", "chunk_kda_reference", "kda_backend", "recurrent_kda"]
+__all__ = ["KDAGate", "chunk_kda", "chunk_kda_gated", "chunk_kda_reference", "kda_backend",
+           "kda_gate", "kda_prologue", "recurrent_kda"]
 
 
 # ----------------------------------------------------------------------------- backend dispatch
@@ -81,20 +87,29 @@ def _fla_version() -> tuple[int, ...]:
 #                     use_qk_l2norm_in_kernel, cu_seqlens, **kwargs); chunk size fixed at 64
 #   0.4.1            adds use_gate_in_kernel, chunk_indices
 #   0.4.2, 0.5.0     add cu_seqlens_cpu (host copy: chunk indices without a device read)
-#   0.5.1, 0.5.2     chunk_size read from **kwargs (kwargs.pop("chunk_size", 64), only 32 or 64)
+#   0.5.1, 0.5.2     chunk_size read from **kwargs (kwargs.pop("chunk_size", 64), only 32 or 64);
+#                    0.5.2 adds use_beta_sigmoid_in_kernel (with safe_gate, lower_bound, A_log
+#                    and dt_bias in **kwargs: the whole prologue in fla, `_FLA_GATE_ARGS`)
 #   0.6.0            same, plus use_graph / max_num_seqs (fixed-shape on-device chunk list)
 # cu_seqlens: [N+1] integer (we pass int32), B == 1; initial_state must be float32.
 # inspect.signature shows cu_seqlens_cpu as a named parameter; chunk_size hides in **kwargs, so it
 # needs the version (before 0.5.1 **kwargs swallowed it silently and the kernels used 64).
 _FLA_CHUNK_SIZES = (32, 64)
 
+# What fla needs to run the q/k L2 norm, the gate activation (+ chunk cumsum) and beta's sigmoid
+# itself (fla-core >= 0.5.2; A_log and dt_bias go through **kwargs). safe_gate (the M=16
+# tensor-core intra-chunk path) takes lower bounds in [-5, 0) only.
+_FLA_GATE_ARGS = frozenset({"use_qk_l2norm_in_kernel", "use_gate_in_kernel",
+                            "use_beta_sigmoid_in_kernel", "safe_gate", "lower_bound"})
+
 
 @functools.cache
 def _fla_accepts(fla_fn: Callable[..., object]) -> frozenset[str]:
-    """Which of the optional arguments "chunk_size", "cu_seqlens_cpu" fla_fn takes."""
+    """Which of the optional arguments fla_fn takes: "chunk_size", "cu_seqlens_cpu" and the
+    in-kernel prologue's flags (``_FLA_GATE_ARGS``)."""
     params = inspect.signature(fla_fn).parameters
     var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    names = {n for n in ("chunk_size", "cu_seqlens_cpu") if n in params}
+    names = {n for n in ("chunk_size", "cu_seqlens_cpu", *_FLA_GATE_ARGS) if n in params}
     if "chunk_size" not in names and var_kw and _fla_version() >= (0, 5, 1):
         names.add("chunk_size")
     return frozenset(names)
@@ -159,13 +174,76 @@ def chunk_kda(
     )
 
 
+class KDAGate(NamedTuple):
+    """The gate parameters of one KDA layer: A_log [H], dt_bias [H*K], the lower bound (K3's
+    -5; None: Kimi Linear's unbounded softplus gate)."""
+
+    A_log: Tensor
+    dt_bias: Tensor
+    lower_bound: float | None
+
+
+def kda_gate(f: Tensor, A_log: Tensor, dt_bias: Tensor, lower_bound: float | None) -> Tensor:
+    """Log-decay g [B, T, H, D] (fp32, fp64 for fp64 f) from the gate pre-activation f:
+    ``lower_bound * sigmoid(exp(A_log) * (f + dt_bias))``, or ``-exp(A_log) * softplus(f +
+    dt_bias)`` without a bound (fla's ``naive_kda_lowerbound_gate`` / ``naive_kda_gate``)."""
+    H, D = f.shape[-2:]
+    compute = torch.promote_types(f.dtype, torch.float32)
+    x = f.to(compute) + dt_bias.to(compute).view(H, D)
+    a = A_log.to(compute).exp().view(H, 1)
+    if lower_bound is None:
+        return -a * F.softplus(x)
+    return lower_bound * torch.sigmoid(a * x)
+
+
+def kda_prologue(q: Tensor, k: Tensor, f: Tensor, b: Tensor, gate: KDAGate
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(L2-normalised q, k; the log-decay g; beta = sigmoid(b) in g's dtype): the inputs of
+    ``chunk_kda`` from the layer's raw projections, in PyTorch."""
+    g = kda_gate(f, gate.A_log, gate.dt_bias, gate.lower_bound)
+    return l2_norm(q), l2_norm(k), g, torch.sigmoid(b.to(g.dtype))
+
+
+def chunk_kda_gated(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    f: Tensor,
+    b: Tensor,
+    gate: KDAGate,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Tensor | None = None,
+    chunk_size: int = 64,
+    cu_seqlens_cpu: Tensor | None = None,
+) -> KDAOut:
+    """KDA from the layer's raw projections: q, k [B, T, H, K] before their L2 norm, f [B, T,
+    H, K] the gate pre-activation, b [B, T, H] beta's logits.
+
+    On the fla backend the prologue goes to fla with the recurrence (``k3::chunk_kda_fla`` with
+    ``gate_in_kernel``: fla's ``use_qk_l2norm_in_kernel``, ``use_gate_in_kernel`` with A_log and
+    dt_bias, ``use_beta_sigmoid_in_kernel``, and ``safe_gate`` with ``lower_bound`` for K3's
+    bounded gate), so the fp32 gate tensor is never written; fla's gradients reach A_log and
+    dt_bias. Elsewhere ``kda_prologue`` then ``chunk_kda_reference``: the same function."""
+    if kda_backend(q.device) == "fla":
+        return _chunk_kda_fla(q, k, v, f, b, scale, initial_state, output_final_state,
+                              cu_seqlens, chunk_size, cu_seqlens_cpu, gate=gate)
+    q, k, g, beta = kda_prologue(q, k, f, b, gate)
+    return chunk_kda_reference(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+    )
+
+
 # ----------------------------------------------------------------------------- fla custom ops
 def _chunk_kda_fla(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None,
     initial_state: Tensor | None, output_final_state: bool, cu_seqlens: Tensor | None,
-    chunk_size: int, cu_seqlens_cpu: Tensor | None,
+    chunk_size: int, cu_seqlens_cpu: Tensor | None, gate: KDAGate | None = None,
 ) -> KDAOut:
-    """fla's chunk_kda through ``k3::chunk_kda_fla``: shapes checked here, no data read."""
+    """fla's chunk_kda through ``k3::chunk_kda_fla``: shapes checked here, no data read.
+    With ``gate``, q/k are un-normalised, g is the gate pre-activation and beta the logits."""
     B, T, H, K = q.shape
     if cu_seqlens is not None:
         if B != 1 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
@@ -183,16 +261,31 @@ def _chunk_kda_fla(
                              f"got {tuple(initial_state.shape)}")
         h0 = initial_state.to(torch.float32)  # fla requires fp32 states
     scale = K**-0.5 if scale is None else float(scale)
+    A_log = dt_bias = lower_bound = None
+    if gate is not None:  # fp32 like the reference's gate math (FSDP2 may hand bf16 copies)
+        A_log, dt_bias = gate.A_log.to(torch.float32), gate.dt_bias.to(torch.float32)
+        lower_bound = gate.lower_bound
     o, ht = _fla_fwd_op(q, k, v, g, beta, h0, cu_seqlens, cu_seqlens_cpu, scale,
-                        bool(output_final_state), int(chunk_size))
+                        bool(output_final_state), int(chunk_size), A_log, dt_bias, lower_bound,
+                        gate is not None)
     return o, (ht if output_final_state else None)
+
+
+def _fla_takes_gate(fla_fn: Callable[..., object], lower_bound: float | None) -> bool:
+    """Whether fla_fn can compute the gate prologue for this lower bound in its kernels."""
+    in_range = lower_bound is None or -5.0 <= lower_bound < 0.0
+    return in_range and _FLA_GATE_ARGS <= _fla_accepts(fla_fn)
 
 
 def _call_fla(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0: Tensor | None,
     cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None, scale: float,
-    output_final_state: bool, chunk_size: int,
+    output_final_state: bool, chunk_size: int, A_log: Tensor | None, dt_bias: Tensor | None,
+    lower_bound: float | None, gate_in_kernel: bool,
 ) -> tuple[Tensor, Tensor | None]:
+    """One call of fla's chunk_kda. With ``gate_in_kernel`` fla normalises q/k, activates the
+    gate and beta itself when the installed fla can (else ``kda_prologue`` runs first, in
+    PyTorch, differentiably: the backward op re-runs this under autograd)."""
     fla_fn = _load_fla()
     if fla_fn is None:
         raise RuntimeError("k3::chunk_kda_fla needs fla (fla-core) and Triton on a CUDA device")
@@ -202,6 +295,14 @@ def _call_fla(
         kwargs["chunk_size"] = chunk_size
     if "cu_seqlens_cpu" in accepts and cu_seqlens_cpu is not None:
         kwargs["cu_seqlens_cpu"] = cu_seqlens_cpu
+    if gate_in_kernel:
+        assert A_log is not None and dt_bias is not None
+        if _fla_takes_gate(fla_fn, lower_bound):
+            kwargs.update(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                          use_beta_sigmoid_in_kernel=True, safe_gate=lower_bound is not None,
+                          lower_bound=lower_bound, A_log=A_log, dt_bias=dt_bias)
+        else:
+            q, k, g, beta = kda_prologue(q, k, g, beta, KDAGate(A_log, dt_bias, lower_bound))
     o, ht = fla_fn(q, k, v, g, beta, scale=scale, initial_state=h0,
                    output_final_state=output_final_state, cu_seqlens=cu_seqlens, **kwargs)
     return o, ht
@@ -219,20 +320,24 @@ def _state_shape(q: Tensor, v: Tensor, cu_seqlens: Tensor | None,
 def _fla_fwd_op(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0: Tensor | None,
     cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None, scale: float,
-    output_final_state: bool, chunk_size: int,
+    output_final_state: bool, chunk_size: int, A_log: Tensor | None, dt_bias: Tensor | None,
+    lower_bound: float | None, gate_in_kernel: bool,
 ) -> tuple[Tensor, Tensor]:
     """fla chunk_kda forward: (o in v's dtype, final state fp32 [N, H, K, V], or [0] if not
-    requested). The real implementation imports fla lazily (this op exists on every machine)."""
+    requested). The real implementation imports fla lazily (this op exists on every machine).
+    ``gate_in_kernel``: q/k raw, g the gate pre-activation, beta logits (``chunk_kda_gated``)."""
     with torch.no_grad():
         o, ht = _call_fla(q, k, v, g, beta, h0, cu_seqlens, cu_seqlens_cpu, scale,
-                          output_final_state, chunk_size)
+                          output_final_state, chunk_size, A_log, dt_bias, lower_bound,
+                          gate_in_kernel)
     if ht is None or not output_final_state:
         ht = q.new_empty(0, dtype=torch.float32)
     return o.to(v.dtype), ht.to(torch.float32)
 
 
 @_fla_fwd_op.register_fake
-def _(q, k, v, g, beta, h0, cu_seqlens, cu_seqlens_cpu, scale, output_final_state, chunk_size):
+def _(q, k, v, g, beta, h0, cu_seqlens, cu_seqlens_cpu, scale, output_final_state, chunk_size,
+      A_log, dt_bias, lower_bound, gate_in_kernel):
     return (v.new_empty(v.shape),
             q.new_empty(_state_shape(q, v, cu_seqlens, output_final_state), dtype=torch.float32))
 
@@ -263,9 +368,11 @@ def _autograd_inside_custom_op() -> Iterator[None]:
 def _fla_bwd_op(
     do: Tensor, dht: Tensor | None, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     h0: Tensor | None, cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None, scale: float,
-    output_final_state: bool, chunk_size: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Gradients (dq, dk, dv, dg, dbeta, dh0 or [0]) of k3::chunk_kda_fla.
+    output_final_state: bool, chunk_size: int, A_log: Tensor | None, dt_bias: Tensor | None,
+    lower_bound: float | None, gate_in_kernel: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients (dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias; [0] for absent inputs) of
+    k3::chunk_kda_fla.
 
     Re-runs fla's own autograd chunk_kda on detached inputs and calls torch.autograd.grad: it
     relies on fla's public function only, not on its private fwd/bwd signatures (which changed
@@ -274,43 +381,49 @@ def _fla_bwd_op(
     No double backward."""
     with _autograd_inside_custom_op():
         xs = [x.detach().requires_grad_() for x in (q, k, v, g, beta)]
-        s0 = None if h0 is None else h0.detach().requires_grad_()
-        o, ht = _call_fla(*xs, s0, cu_seqlens, cu_seqlens_cpu, scale, output_final_state,
-                          chunk_size)
+        opt = [None if x is None else x.detach().requires_grad_() for x in (h0, A_log, dt_bias)]
+        o, ht = _call_fla(*xs, opt[0], cu_seqlens, cu_seqlens_cpu, scale, output_final_state,
+                          chunk_size, opt[1], opt[2], lower_bound, gate_in_kernel)
         outs, grads = [o], [do.to(o.dtype)]
         if output_final_state and dht is not None and ht is not None:
             outs.append(ht)
             grads.append(dht.to(ht.dtype))
-        leaves = xs + ([] if s0 is None else [s0])
-        got = torch.autograd.grad(outs, leaves, grads, allow_unused=True)
-    res = [torch.zeros_like(x) if d is None else d.to(x.dtype) for x, d in zip(leaves, got)]
-    if s0 is None:
-        res.append(q.new_empty(0, dtype=torch.float32))
-    inputs = (do, dht, q, k, v, g, beta, h0)  # outputs of a custom op may not alias its inputs
+        leaves = xs + [x for x in opt if x is not None]
+        got = iter(torch.autograd.grad(outs, leaves, grads, allow_unused=True))
+    res = []
+    for x in xs + opt:
+        if x is None:
+            res.append(q.new_empty(0, dtype=torch.float32))
+            continue
+        d = next(got)
+        res.append(torch.zeros_like(x) if d is None else d.to(x.dtype))
+    inputs = (do, dht, q, k, v, g, beta, h0, A_log, dt_bias)  # outputs may not alias inputs
     return tuple(r.clone() if any(r is x for x in inputs) else r for r in res)  # type: ignore
 
 
 @_fla_bwd_op.register_fake
 def _(do, dht, q, k, v, g, beta, h0, cu_seqlens, cu_seqlens_cpu, scale, output_final_state,
-      chunk_size):
-    dh0 = q.new_empty(0, dtype=torch.float32) if h0 is None else torch.empty_like(h0)
-    return (*(torch.empty_like(x) for x in (q, k, v, g, beta)), dh0)
+      chunk_size, A_log, dt_bias, lower_bound, gate_in_kernel):
+    opt = [q.new_empty(0, dtype=torch.float32) if x is None else torch.empty_like(x)
+           for x in (h0, A_log, dt_bias)]
+    return (*(torch.empty_like(x) for x in (q, k, v, g, beta)), *opt)
 
 
 def _fla_setup_context(ctx, inputs, output) -> None:
-    q, k, v, g, beta, h0, cu_seqlens, cu_seqlens_cpu, scale, output_final_state, chunk_size = (
-        inputs)
-    ctx.save_for_backward(q, k, v, g, beta, h0, cu_seqlens, cu_seqlens_cpu)
-    ctx.opts = (scale, output_final_state, chunk_size)
+    (q, k, v, g, beta, h0, cu_seqlens, cu_seqlens_cpu, scale, output_final_state, chunk_size,
+     A_log, dt_bias, lower_bound, gate_in_kernel) = inputs
+    ctx.save_for_backward(q, k, v, g, beta, h0, cu_seqlens, cu_seqlens_cpu, A_log, dt_bias)
+    ctx.opts = (scale, output_final_state, chunk_size, lower_bound, gate_in_kernel)
 
 
 def _fla_backward(ctx, do: Tensor, dht: Tensor):
-    q, k, v, g, beta, h0, cu_seqlens, cu_seqlens_cpu = ctx.saved_tensors
-    scale, output_final_state, chunk_size = ctx.opts
+    q, k, v, g, beta, h0, cu_seqlens, cu_seqlens_cpu, A_log, dt_bias = ctx.saved_tensors
+    scale, output_final_state, chunk_size, lower_bound, gate_in_kernel = ctx.opts
     grads = _fla_bwd_op(do, dht if output_final_state else None, q, k, v, g, beta, h0,
-                        cu_seqlens, cu_seqlens_cpu, scale, output_final_state, chunk_size)
-    dh0 = None if h0 is None else grads[5]
-    return (*grads[:5], dh0, None, None, None, None, None)
+                        cu_seqlens, cu_seqlens_cpu, scale, output_final_state, chunk_size,
+                        A_log, dt_bias, lower_bound, gate_in_kernel)
+    dh0, dA, dbias = (None if x is None else d for x, d in zip((h0, A_log, dt_bias), grads[5:]))
+    return (*grads[:5], dh0, None, None, None, None, None, dA, dbias, None, None)
 
 
 _fla_fwd_op.register_autograd(_fla_backward, setup_context=_fla_setup_context)

@@ -36,6 +36,7 @@ import torch
 from model.ops import mx_native
 from model.ops.grouped_gemm import grouped_mm, grouped_mm_backend, grouped_mm_wgrad
 from model.ops.mx import BLOCK_SIZE, MODES, fake_quantize_mx, pad_to_block
+from model.ops.token_groups import TokenGroups
 
 log = logging.getLogger("k3train.mx")
 
@@ -72,7 +73,7 @@ def probe_native(device: torch.device | str, grouped: bool) -> str:
         if grouped:
             sizes = torch.tensor([20, 0, 44], device=device)
             x, w, dy = rnd(64, 64), rnd(3, 48, 64), rnd(64, 48)
-            layout = mx_native.GroupLayout(sizes, 64)
+            layout = TokenGroups(sizes, 64)
             got = [layout.gather(mx_native.native_grouped_nt(layout.scatter(x), w, layout,
                                                              "rceil")),
                    mx_native.native_grouped_wgrad(layout.scatter(dy), layout.scatter(x), layout,
@@ -194,43 +195,22 @@ def mx_linear(
     return _MXLinear.apply(x, weight, wgrad_hp, mode)
 
 
-def _group_layout(group_sizes: torch.Tensor, S: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Row r of group g -> slot (g, r) in a [G, R, ...] buffer, R = max size rounded up to 32."""
-    sizes = group_sizes.to(torch.long)
-    G = sizes.shape[0]
-    rows = torch.arange(G, device=sizes.device)
-    group_of_row = torch.repeat_interleave(rows, sizes, output_size=S)  # [S]
-    starts = torch.cumsum(sizes, 0) - sizes  # [G]
-    row_in_group = torch.arange(S, device=sizes.device) - starts[group_of_row]  # [S]
-    max_rows = int(sizes.max().item()) if G > 0 else 0  # host sync: float64 reference only
-    return group_of_row, row_in_group, max_rows + (-max_rows % BLOCK_SIZE)
-
-
-def _scatter_groups(t: torch.Tensor, layout: tuple, G: int) -> torch.Tensor:
-    group_of_row, row_in_group, R = layout
-    out = t.new_zeros(G, R, t.shape[-1])  # [G, R, D]: zero rows pad every group
-    return out.index_put((group_of_row, row_in_group), t)
-
-
 def _padded_group_wgrad(dy: torch.Tensor, x: torch.Tensor, group_sizes: torch.Tensor,
                         quantise_mode: str | None) -> torch.Tensor:
     """dW_g = dY_g^T · X_g, optionally with both operands fake-quantised along the tokens in
     blocks of 32 that start at each group's first row (zero rows pad each group to 32).
 
-    fp32/bf16: the flat 32-aligned layout of `mx_native.GroupLayout` (sized from shapes, no host
-    sync) and one 2d x 2d grouped GEMM. float64 (verification): a [G, R, .] padded bmm, whose
-    R is read on the host."""
-    G = group_sizes.shape[0]
+    fp32/bf16: the flat 32-aligned view of `TokenGroups` (sized from shapes, no host sync) and
+    one 2d x 2d grouped GEMM. float64 (verification): its [G, R, .] batched view and a bmm,
+    whose R is read on the host."""
+    groups = TokenGroups(group_sizes, x.shape[0])
     w_like = x.new_empty(0, dy.shape[1], x.shape[1])  # [G, N, K] strides for the backend check
     if grouped_mm_backend(x, w_like) == "grouped_mm":
-        layout = mx_native.GroupLayout(group_sizes, x.shape[0])
-        dy_p, x_p = layout.scatter(dy), layout.scatter(x)  # [capacity, N], [capacity, K]
+        dy_p, x_p = groups.scatter(dy), groups.scatter(x)  # [capacity, N], [capacity, K]
         if quantise_mode is not None:
             dy_p, x_p = _fq(dy_p, 0, quantise_mode), _fq(x_p, 0, quantise_mode)
-        return grouped_mm_wgrad(dy_p, x_p, layout.offs)  # [G, N, K]
-    layout = _group_layout(group_sizes, x.shape[0])
-    dy_g = _scatter_groups(dy, layout, G)  # [G, R, N]
-    x_g = _scatter_groups(x, layout, G)  # [G, R, K]
+        return grouped_mm_wgrad(dy_p, x_p, groups.offs)  # [G, N, K]
+    dy_g, x_g = groups.batched(dy), groups.batched(x)  # [G, R, N], [G, R, K]
     if quantise_mode is not None:
         dy_g, x_g = _fq(dy_g, 1, quantise_mode), _fq(x_g, 1, quantise_mode)
     return torch.bmm(dy_g.transpose(1, 2), x_g)  # [G, N, K]
@@ -242,7 +222,7 @@ class _MXGroupedMM(torch.autograd.Function):
         cdt = _compute_dtype(x, w)
         xc, wc = x.to(cdt), w.to(cdt)  # [S, K], [G, N, K]
         if native:
-            layout = mx_native.GroupLayout(group_sizes, xc.shape[0])
+            layout = TokenGroups(group_sizes, xc.shape[0])
             y = layout.gather(mx_native.native_grouped_nt(layout.scatter(xc), wc, layout, mode))
         else:
             y = grouped_mm(_fq(xc, -1, mode), _fq(wc, -1, mode), group_sizes)  # [S, N] over K
@@ -259,7 +239,7 @@ class _MXGroupedMM(torch.autograd.Function):
         dx = dw = None
         quantised_wgrad = ctx.needs_input_grad[1] and not ctx.wgrad_hp
         if ctx.native:
-            layout = mx_native.GroupLayout(group_sizes, xc.shape[0])
+            layout = TokenGroups(group_sizes, xc.shape[0])
             dy_pad = layout.scatter(dy)
             if ctx.needs_input_grad[0]:  # contraction over N: w^T as [G, K, N]
                 w_t = wc.transpose(1, 2).contiguous()
@@ -291,8 +271,9 @@ def mx_grouped_mm(
     x: [S, K] rows sorted by group; w: [G, N, K]; group_sizes: [G] ints summing to S (any sizes,
     0 allowed: groups are padded to 32 tokens inside for the wgrad). Returns [S, N].
     Emulated: fprop and dgrad use `grouped_mm`; the wgrad (a contraction over tokens, which
-    `grouped_mm` cannot express) is one bmm over the [G, R, .] padded group layout (one host sync
-    for R). Native (SM100): all three are `F.scaled_grouped_mm` over `mx_native.GroupLayout`.
+    `grouped_mm` cannot express) is one 2d x 2d grouped GEMM over the flat 32-aligned view of
+    `TokenGroups` (a bmm over its batched view in float64). Native (SM100): all three are
+    `F.scaled_grouped_mm` over the flat view.
     """
     _check_mode(mode)
     if w.ndim != 3 or x.shape[-1] != w.shape[-1] or group_sizes.shape != (w.shape[0],):

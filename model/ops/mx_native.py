@@ -15,10 +15,11 @@ tiles and each tile is stored as 32 x 16 bytes, element (r, c) at byte
 For grouped operands every group is its own scale matrix (tiles never straddle two groups), and
 the groups' blocked matrices follow each other, as the kernels expect.
 
-Token groups are laid out padded: group g starts at a multiple of 32 and takes
-max(32, round_up(size_g, 32)) rows (an empty group gets 32 zero rows, so no group has size 0), so
-the wgrad's 32-token blocks start at every group's first token. All buffers are sized by bounds
-from the shapes alone (S + 32 G rows), so nothing here syncs with the host. The matching
+Token groups take the flat view of `model.ops.token_groups.TokenGroups` (align 32): group g
+starts at a multiple of 32 and takes max(32, round_up(size_g, 32)) rows (an empty group gets 32
+zero rows, so no group has size 0), so the wgrad's 32-token blocks start at every group's first
+token. All buffers are sized by bounds from the shapes alone (S + 32 G rows), so nothing here
+syncs with the host. The matching
 emulated path is `model.ops.mx_linear`; tests/unit/test_mx_native.py checks this module against
 an independent emulator of the kernels' documented contract. Unverified on hardware (no SM100).
 """
@@ -29,12 +30,9 @@ import torch
 import torch.nn.functional as F
 
 from model.ops.mx import BLOCK_SIZE, mx_quantize, pad_to_block
+from model.ops.token_groups import TokenGroups, round_up
 
 TILE_ROWS, TILE_COLS = 128, 4
-
-
-def _round_up(n: torch.Tensor | int, m: int) -> torch.Tensor | int:
-    return (n + m - 1) // m * m
 
 
 def _blocked_offset(r: torch.Tensor, c: torch.Tensor,
@@ -48,8 +46,8 @@ def blocked_scales(scales: torch.Tensor) -> torch.Tensor:
     """cuBLAS block-scaling layout of e8m0 scale matrices [..., rows, cols] (cols = K/32), each
     matrix on its own: returns [..., blocked bytes]."""
     *batch, rows, cols = scales.shape
-    col_tiles = _round_up(cols, TILE_COLS) // TILE_COLS
-    per = _round_up(rows, TILE_ROWS) * col_tiles * TILE_COLS
+    col_tiles = round_up(cols, TILE_COLS) // TILE_COLS
+    per = round_up(rows, TILE_ROWS) * col_tiles * TILE_COLS
     flat = scales.reshape(-1, rows * cols).view(torch.uint8)  # [B, rows*cols]
     out = torch.zeros(flat.shape[0], per, dtype=torch.uint8, device=scales.device)
     r = torch.arange(rows, device=scales.device).unsqueeze(1)
@@ -58,67 +56,42 @@ def blocked_scales(scales: torch.Tensor) -> torch.Tensor:
     return out.view(torch.float8_e8m0fnu).reshape(*batch, per)
 
 
-class GroupLayout:
-    """Padded token-group layout: group g occupies rows [start_g, start_g + size_g) of a buffer
-    of `capacity` rows, with start_g a multiple of 32 (see the module docstring)."""
+def row_group_scales(groups: TokenGroups, scale: torch.Tensor) -> torch.Tensor:
+    """Scales [capacity, cols] of a groups-along-rows operand (flat view of `groups`) -> the
+    groups' blocked matrices one after another, [sum_g round_up(padded_g, 128) (bound),
+    round_up(cols, 4)]."""
+    cols = scale.shape[1]
+    col_tiles = round_up(cols, TILE_COLS) // TILE_COLS
+    rows_blocked = round_up(groups.padded, TILE_ROWS)  # [G]
+    base = (torch.cumsum(rows_blocked, 0) - rows_blocked) * col_tiles * TILE_COLS  # [G]
+    cap_rows = round_up(groups.capacity + (TILE_ROWS - BLOCK_SIZE) * groups.G, TILE_ROWS)
+    i = torch.arange(groups.capacity, device=scale.device)
+    g = torch.searchsorted(groups.ends, i, right=True)  # [capacity]; G past the last group
+    gc = g.clamp(max=groups.G - 1)
+    r = (i - groups.starts[gc]).unsqueeze(1)
+    c = torch.arange(cols, device=scale.device).unsqueeze(0)
+    idx = base[gc].unsqueeze(1) + _blocked_offset(r, c, col_tiles)
+    return _scatter_bytes(scale, idx, (g < groups.G).unsqueeze(1),
+                          cap_rows * col_tiles * TILE_COLS).view(cap_rows, -1)
 
-    def __init__(self, group_sizes: torch.Tensor, num_rows: int) -> None:
-        sizes = group_sizes.to(torch.long)
-        self.G = sizes.shape[0]
-        self.padded = torch.clamp(_round_up(sizes, BLOCK_SIZE), min=BLOCK_SIZE)  # [G]
-        self.ends = torch.cumsum(self.padded, 0)  # [G]
-        self.starts = self.ends - self.padded  # [G]
-        # >= ends[-1] and a multiple of 32, known without a host sync
-        self.capacity = _round_up(num_rows, BLOCK_SIZE) + BLOCK_SIZE * self.G
-        group_of_row = torch.repeat_interleave(
-            torch.arange(self.G, device=sizes.device), sizes, output_size=num_rows)  # [S]
-        real_starts = torch.cumsum(sizes, 0) - sizes
-        self.dest = self.starts[group_of_row] + torch.arange(num_rows, device=sizes.device) \
-            - real_starts[group_of_row]  # [S]: padded row of each real row
-        self.offs = self.ends.to(torch.int32)  # [G] end offsets for the kernels
 
-    def scatter(self, t: torch.Tensor) -> torch.Tensor:
-        """[S, D] -> [capacity, D] with zero padding rows."""
-        return t.new_zeros(self.capacity, t.shape[1]).index_copy(0, self.dest, t)
-
-    def gather(self, t: torch.Tensor) -> torch.Tensor:
-        """[capacity, D] -> [S, D]: the real rows back."""
-        return t.index_select(0, self.dest)
-
-    def row_group_scales(self, scale: torch.Tensor) -> torch.Tensor:
-        """Scales [capacity, cols] of a groups-along-rows operand -> the groups' blocked matrices
-        one after another, [sum_g round_up(padded_g, 128) (bound), round_up(cols, 4)]."""
-        cols = scale.shape[1]
-        col_tiles = _round_up(cols, TILE_COLS) // TILE_COLS
-        rows_blocked = _round_up(self.padded, TILE_ROWS)  # [G]
-        base = (torch.cumsum(rows_blocked, 0) - rows_blocked) * col_tiles * TILE_COLS  # [G]
-        cap_rows = _round_up(self.capacity + (TILE_ROWS - BLOCK_SIZE) * self.G, TILE_ROWS)
-        i = torch.arange(self.capacity, device=scale.device)
-        g = torch.searchsorted(self.ends, i, right=True)  # [capacity]; G past the last group
-        gc = g.clamp(max=self.G - 1)
-        r = (i - self.starts[gc]).unsqueeze(1)
-        c = torch.arange(cols, device=scale.device).unsqueeze(0)
-        idx = base[gc].unsqueeze(1) + _blocked_offset(r, c, col_tiles)
-        return _scatter_bytes(scale, idx, (g < self.G).unsqueeze(1),
-                              cap_rows * col_tiles * TILE_COLS).view(cap_rows, -1)
-
-    def col_group_scales(self, scale: torch.Tensor) -> torch.Tensor:
-        """Scales [rows, capacity/32] of a groups-along-the-contraction operand (wgrad) -> the
-        groups' blocked matrices one after another, [round_up(rows, 128), bound]."""
-        rows = scale.shape[0]
-        rows_blocked = _round_up(rows, TILE_ROWS)
-        cols_blocked = _round_up(self.padded // BLOCK_SIZE, TILE_COLS)  # [G]
-        base = (torch.cumsum(cols_blocked, 0) - cols_blocked) * rows_blocked  # [G]
-        cap_cols = _round_up(self.capacity // BLOCK_SIZE + (TILE_COLS - 1) * self.G, TILE_COLS)
-        j = torch.arange(self.capacity // BLOCK_SIZE, device=scale.device)
-        g = torch.searchsorted(self.ends // BLOCK_SIZE, j, right=True)
-        gc = g.clamp(max=self.G - 1)
-        c = (j - self.starts[gc] // BLOCK_SIZE).unsqueeze(0)
-        r = torch.arange(rows, device=scale.device).unsqueeze(1)
-        col_tiles = cols_blocked[gc].unsqueeze(0) // TILE_COLS  # [1, n]: per column's group
-        idx = base[gc].unsqueeze(0) + _blocked_offset(r, c, col_tiles)
-        return _scatter_bytes(scale, idx, (g < self.G).unsqueeze(0),
-                              rows_blocked * cap_cols).view(rows_blocked, cap_cols)
+def col_group_scales(groups: TokenGroups, scale: torch.Tensor) -> torch.Tensor:
+    """Scales [rows, capacity/32] of a groups-along-the-contraction operand (wgrad) -> the
+    groups' blocked matrices one after another, [round_up(rows, 128), bound]."""
+    rows = scale.shape[0]
+    rows_blocked = round_up(rows, TILE_ROWS)
+    cols_blocked = round_up(groups.padded // BLOCK_SIZE, TILE_COLS)  # [G]
+    base = (torch.cumsum(cols_blocked, 0) - cols_blocked) * rows_blocked  # [G]
+    cap_cols = round_up(groups.capacity // BLOCK_SIZE + (TILE_COLS - 1) * groups.G, TILE_COLS)
+    j = torch.arange(groups.capacity // BLOCK_SIZE, device=scale.device)
+    g = torch.searchsorted(groups.ends // BLOCK_SIZE, j, right=True)
+    gc = g.clamp(max=groups.G - 1)
+    c = (j - groups.starts[gc] // BLOCK_SIZE).unsqueeze(0)
+    r = torch.arange(rows, device=scale.device).unsqueeze(1)
+    col_tiles = cols_blocked[gc].unsqueeze(0) // TILE_COLS  # [1, n]: per column's group
+    idx = base[gc].unsqueeze(0) + _blocked_offset(r, c, col_tiles)
+    return _scatter_bytes(scale, idx, (g < groups.G).unsqueeze(0),
+                          rows_blocked * cap_cols).view(rows_blocked, cap_cols)
 
 
 def _scatter_bytes(scale: torch.Tensor, idx: torch.Tensor, live: torch.Tensor,
@@ -154,7 +127,7 @@ def _grouped_mm(a_q, a_s, b_q_t, b_s, offs) -> torch.Tensor:
         offs=offs, output_dtype=torch.bfloat16)
 
 
-def native_grouped_nt(x_pad: torch.Tensor, w: torch.Tensor, layout: GroupLayout,
+def native_grouped_nt(x_pad: torch.Tensor, w: torch.Tensor, layout: TokenGroups,
                       mode: str) -> torch.Tensor:
     """Expert fprop/dgrad: out[rows of g] = x_pad[rows of g] @ w[g]^T, MXFP8 along C.
 
@@ -164,12 +137,12 @@ def native_grouped_nt(x_pad: torch.Tensor, w: torch.Tensor, layout: GroupLayout,
     Q = w.shape[1]
     xq, xs = _quantize_rows(x_pad, mode, 1)  # rows already 32-aligned per group
     wq, ws = _quantize_rows(w, mode, TILE_ROWS)  # [G, Q', C'], [G, Q', C'/32]
-    y = _grouped_mm(xq, layout.row_group_scales(xs), wq.transpose(-2, -1), blocked_scales(ws),
+    y = _grouped_mm(xq, row_group_scales(layout, xs), wq.transpose(-2, -1), blocked_scales(ws),
                     layout.offs)
     return y[:, :Q]
 
 
-def native_grouped_wgrad(dy_pad: torch.Tensor, x_pad: torch.Tensor, layout: GroupLayout,
+def native_grouped_wgrad(dy_pad: torch.Tensor, x_pad: torch.Tensor, layout: TokenGroups,
                          mode: str) -> torch.Tensor:
     """Expert wgrad: dW[g] = dy_pad[rows of g]^T @ x_pad[rows of g], MXFP8 along the tokens.
 
@@ -179,6 +152,6 @@ def native_grouped_wgrad(dy_pad: torch.Tensor, x_pad: torch.Tensor, layout: Grou
     N, K = dy_pad.shape[1], x_pad.shape[1]
     dq, ds = _quantize_rows(dy_pad.t(), mode, TILE_ROWS)  # [N', capacity], blocked along tokens
     xq, xs = _quantize_rows(x_pad.t(), mode, TILE_ROWS)  # [K', capacity]
-    dw = _grouped_mm(dq, layout.col_group_scales(ds), xq.t(), layout.col_group_scales(xs),
+    dw = _grouped_mm(dq, col_group_scales(layout, ds), xq.t(), col_group_scales(layout, xs),
                      layout.offs)  # [G, N', K']
     return dw[:, :N, :K]

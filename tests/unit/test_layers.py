@@ -5,7 +5,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from model.kda import kda_gate
+from model.ops.kda import kda_gate
 from model.packing import Packing
 from tests.helpers.tiny import tiny_model
 

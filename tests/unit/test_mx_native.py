@@ -18,6 +18,7 @@ from torch.testing._internal.common_quantized import to_blocked
 from model.ops import mx_linear as mxl
 from model.ops import mx_native
 from model.ops.mx import mx_quantize
+from model.ops.token_groups import TokenGroups
 
 E4M3, E8M0 = torch.float8_e4m3fn, torch.float8_e8m0fnu
 
@@ -118,7 +119,7 @@ def test_blocked_scales_match_reference_swizzle():
 def test_group_layout_and_grouped_scales_match_per_group_reference(sizes):
     sizes_t = torch.tensor(sizes)
     S = sum(sizes)
-    layout = mx_native.GroupLayout(sizes_t, S)
+    layout = TokenGroups(sizes_t, S)
     padded = [max(32, _ru(s, 32)) for s in sizes]
     assert layout.offs.tolist() == torch.tensor(padded).cumsum(0).tolist()
     assert layout.capacity % 32 == 0 and layout.capacity >= sum(padded)
@@ -129,16 +130,22 @@ def test_group_layout_and_grouped_scales_match_per_group_reference(sizes):
         assert torch.equal(xp[st:st + n], x[sum(sizes[:g]):sum(sizes[:g]) + n])
         assert xp[st + n:st + padded[g]].eq(0).all()
     assert torch.equal(layout.gather(xp), x)
+    xb = layout.batched(x)  # [G, R, 3]: the reference paths' view of the same groups
+    assert xb.shape == (len(sizes), _ru(max(sizes), 32), 3)
+    for g, n in enumerate(sizes):
+        assert torch.equal(xb[g, :n], x[sum(sizes[:g]):sum(sizes[:g]) + n])
+        assert xb[g, n:].eq(0).all()
+    assert torch.equal(layout.unbatch(xb), x)
 
     cols = 5  # groups along rows: each group's [padded_g, cols] scales blocked on their own
     rs = torch.randint(0, 255, (layout.capacity, cols), dtype=torch.uint8)
-    got = layout.row_group_scales(rs.view(E8M0)).view(torch.uint8).reshape(-1)
+    got = mx_native.row_group_scales(layout, rs.view(E8M0)).view(torch.uint8).reshape(-1)
     want = torch.cat([to_blocked(rs[st:st + p]) for st, p in zip(starts, padded)])
     assert torch.equal(got[:want.numel()], want) and got[want.numel():].eq(0).all()
 
     rows = 130  # groups along the contraction: each group's [rows, padded_g/32] block
     cs = torch.randint(0, 255, (rows, layout.capacity // 32), dtype=torch.uint8)
-    got = layout.col_group_scales(cs.view(E8M0)).view(torch.uint8).reshape(-1)
+    got = mx_native.col_group_scales(layout, cs.view(E8M0)).view(torch.uint8).reshape(-1)
     want = torch.cat([to_blocked(cs[:, st // 32:(st + p) // 32]) for st, p in zip(starts, padded)])
     assert torch.equal(got[:want.numel()], want) and got[want.numel():].eq(0).all()
 
@@ -203,7 +210,7 @@ def test_native_wgrad_blocks_start_at_each_group(native):
     dy = torch.randn(69, 32, generator=g)
     x = torch.randn(69, 32, generator=g)
     dy[:5] *= 1e3  # expert 0's large gradients would dominate expert 1's first block
-    layout = mx_native.GroupLayout(sizes, 69)
+    layout = TokenGroups(sizes, 69)
     dw = mx_native.native_grouped_wgrad(layout.scatter(dy), layout.scatter(x), layout, "rceil")
     ref = dy[5:].double().T @ x[5:].double()
     assert ((dw[1].double() - ref).norm() / ref.norm()) < 0.08
