@@ -115,7 +115,8 @@ run_stage fused 40 15 210 j_fused.py "${STAGE_ARGS[@]}"
 # stages then run the PyTorch paths (the summary says so: "fused_fallback")
 if ! "$PY" benchmarks/gpu/collect.py passed "$RESULTS" fused within_tol; then
     export K3_ATTNRES_BACKEND=torch K3_SITU_BACKEND=torch K3_CONV_BACKEND=torch
-    export K3_NORM_BACKEND=torch K3_COMBINE_BACKEND=torch K3_GPU_SUITE_FUSED_FALLBACK=1
+    export K3_NORM_BACKEND=torch K3_COMBINE_BACKEND=torch K3_MX_CAST_BACKEND=torch
+    export K3_GPU_SUITE_FUSED_FALLBACK=1
     echo "fused kernels did not pass their check: later stages use the PyTorch paths"
 fi
 run_stage ops 45 20 190 i_ops.py "${STAGE_ARGS[@]}"

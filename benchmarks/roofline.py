@@ -183,7 +183,7 @@ FORMULA_OPS = {"k3.grouped_mm", "k3.grouped_mm_wgrad", "k3.varlen_attention",
 # our fused kernels (one launch each; bytes = inputs + outputs, 1 vector FLOP per element)
 FUSED_OPS = {"k3.attnres_mix", "k3.attnres_mix_bwd", "k3.situ_glu", "k3.situ_glu_bwd",
              "k3.short_conv", "k3.short_conv_bwd", "k3.row_norm", "k3.row_norm_bwd",
-             "k3.moe_combine", "k3.moe_combine_bwd"}
+             "k3.moe_combine", "k3.moe_combine_bwd", "k3.mx_cast"}
 KERNELS = {"k3.chunk_kda_fla": 6, "k3.chunk_kda_fla_bwd": 16, "k3.varlen_attention": 3,
            "k3.varlen_attention_backward": 8}
 # KDA's prologue in fla (the ops' last argument, gate_in_kernel): forward 2 l2norm kernels and
@@ -740,7 +740,7 @@ def _optimizer_ops(trace: Trace, module: torch.nn.Module, job, shards: int = 1) 
         with trace.recording("optimizer"):
             if job.optim.grad_clip > 0:
                 try:
-                    clip_grad_norm(params, job.optim.grad_clip)
+                    clip_grad_norm(params, job.optim.grad_clip, optimizer=opt)
                 except DataDependentOutputException:  # its final float(norm) read:
                     pass  # nothing after it to record
             opt.step()

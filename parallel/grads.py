@@ -29,8 +29,19 @@ def _copies(g: torch.Tensor, ranks_per_stage: int) -> int:
 
 
 @torch.no_grad()
-def clip_grad_norm(params, max_norm: float, pp: int = 1) -> float:
-    """Clip in place to `max_norm` (inf: measure only); returns the norm before clipping.
+def takes_grad_scale(optimizer) -> bool:
+    """Whether `optimizer.step()` divides the gradients by `optimizer.grad_scale` itself:
+    torch's fused Adam/AdamW (the `grad_scale` attribute GradScaler also sets)."""
+    return (isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW)
+            and bool(optimizer.defaults.get("fused")))
+
+
+def clip_grad_norm(params, max_norm: float, pp: int = 1, optimizer=None) -> float:
+    """Clip to `max_norm` (inf: measure only); returns the norm before clipping.
+
+    The gradients are scaled in place, except for an `optimizer` that `takes_grad_scale`: it
+    gets grad_scale = 1 / clip factor (a device tensor) and applies it inside its own pass over
+    the gradients, which saves one read and write of every gradient per step.
 
     Norms come from `torch._foreach_norm` over the local pieces grouped by copy count and
     dtype, accumulated in float64 (`dtype=`, no stored float64 copy of any gradient): with fp32
@@ -52,8 +63,14 @@ def clip_grad_norm(params, max_norm: float, pp: int = 1) -> float:
     if dist.is_initialized():
         dist.all_reduce(total)
     norm = total.sqrt()
+    fold = optimizer is not None and takes_grad_scale(optimizer)
+    if fold:
+        optimizer.grad_scale = None
     if math.isfinite(max_norm):
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for (_, dtype, dev), pieces in groups.items():
-            torch._foreach_mul_(pieces, coef.to(dev, dtype))
+        if fold:
+            optimizer.grad_scale = (1.0 / coef).to(torch.float32)
+        else:
+            for (_, dtype, dev), pieces in groups.items():
+                torch._foreach_mul_(pieces, coef.to(dev, dtype))
     return float(norm)

@@ -84,6 +84,9 @@ class OptimConfig:
     warmup_frac: float = 0.01  # K3: 1% linear warmup
     min_lr_ratio: float = 0.1
     decay_frac: float = 0.2  # wsd: the last fraction of steps decays linearly
+    momentum: float = 0.95  # muon: Nesterov momentum of the Muon side (train.muon)
+    nesterov: bool = True
+    ns_steps: int = 5  # muon: quintic Newton-Schulz iterations
 
 
 @dataclass
@@ -187,7 +190,12 @@ def validate_job(job: JobConfig, world_size: int) -> JobConfig:
     known = ("routed_experts", "shared_experts", "dense_mlp", "attention")
     bad = [t for t in p.targets if t not in known]
     _need(not bad, f"precision.targets has {bad}; choose from {list(known)}")
-    _need(o.name == "adamw", f"optim.name={o.name!r}: only adamw is implemented")
+    _need(o.name in ("adamw", "muon"), f"optim.name={o.name!r}: use optim=adamw or optim=muon")
+    _need(o.name != "muon" or world_size == 1,
+          f"optim=muon runs on one rank so far ({world_size} here: distributed Per-Head Muon is "
+          "issue #15); use optim=adamw, or one process")
+    _need(0 <= o.momentum < 1, f"optim.momentum={o.momentum} must be in [0, 1)")
+    _need(o.ns_steps > 0, f"optim.ns_steps={o.ns_steps} must be > 0")
     _need(o.lr > 0, f"optim.lr={o.lr} must be > 0")
     _need(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas),
           f"optim.betas={list(o.betas)} must be two numbers in [0, 1)")

@@ -1,4 +1,5 @@
-"""AdamW with K3's weight-decay exclusions, and the learning-rate schedules (cosine, WSD)."""
+"""The optimizers (AdamW with K3's weight-decay exclusions; Per-Head Muon + AdamW, `train.muon`)
+and the learning-rate schedules (cosine, WSD)."""
 
 from __future__ import annotations
 
@@ -17,18 +18,25 @@ def no_weight_decay(name: str, p: torch.Tensor) -> bool:
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    """AdamW over two groups (decay / no decay). On CUDA torch's fused AdamW (one
-    multi-tensor kernel per step for the whole update, as torchtitan defaults to); elsewhere
-    torch's default implementation. Fake-tensor traces with CUDA backends forced (the roofline)
-    take the CUDA choice."""
+    """`optim=adamw`: AdamW over two groups (decay / no decay). On CUDA torch's fused AdamW
+    (one multi-tensor kernel per step for the whole update, as torchtitan defaults to);
+    elsewhere torch's default implementation. Fake-tensor traces with CUDA backends forced (the
+    roofline) take the CUDA choice. `optim=muon`: `train.muon.MuonAdamW` (Per-Head Muon on the
+    decoder's matrices, the same AdamW on the rest)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    fused = bool(params) and (cuda_backends_forced() or all(p.is_cuda for p in params))
+    if cfg.name == "muon":
+        from train.muon import MuonAdamW
+
+        return MuonAdamW(model, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                         momentum=cfg.momentum, nesterov=cfg.nesterov, ns_steps=cfg.ns_steps,
+                         betas=tuple(cfg.betas), eps=cfg.eps, fused_adamw=True if fused else None)
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
             (no_decay if no_weight_decay(name, p) else decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    params = decay + no_decay
-    fused = bool(params) and (cuda_backends_forced() or all(p.is_cuda for p in params))
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
                              fused=True if fused else None)
 

@@ -131,7 +131,7 @@ def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
                 t_save = time.perf_counter()
                 ckpt.save(state["step"], model, optimizer, {
                     **state, "loader": loader.state_dict(), "scheduler": scheduler.state_dict(),
-                    "model_config": asdict(job.model)})
+                    "model_config": asdict(job.model), "optim_name": job.optim.name})
                 if env.is_main:
                     print(f"checkpoint step-{state['step']:08d} "
                           f"{'started' if ckpt.async_save else 'saved'} in "
@@ -194,7 +194,7 @@ def train_step(pm: ParallelModel, optimizer: torch.optim.Optimizer, batches: lis
         allreduce_replicated_grads(pm.tp_params, pm.meshes.tp.get_group())
     finalize_expert_grads(pm.expert_params, dims.expert_grad_divisor)
     max_norm = grad_clip if grad_clip > 0 else float("inf")
-    norm = clip_grad_norm(model.parameters(), max_norm, dims.pp)
+    norm = clip_grad_norm(model.parameters(), max_norm, dims.pp, optimizer)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss_sum.item() / max(global_tokens, 1), global_tokens, norm, global_flops
@@ -342,11 +342,17 @@ def _check_same_model(job: JobConfig, ckpt: Checkpointer, run_dir: Path) -> None
     latest = ckpt.latest()
     if latest is None or not job.checkpoint.resume:
         return
-    saved = json.loads((latest / "train_state.json").read_text()).get("model_config", {})
+    state = json.loads((latest / "train_state.json").read_text())
+    saved = state.get("model_config", {})
     diff = sorted(k for k, v in asdict(job.model).items() if saved.get(k) != v)
     if diff:
         raise ConfigError(f"run.dir={str(run_dir)!r} holds checkpoints of a different model "
                           f"(model.{diff[0]} differs); use another run.dir or the same model")
+    optim = state.get("optim_name", "adamw")  # checkpoints before optim=muon: adamw
+    if optim != job.optim.name:
+        raise ConfigError(f"run.dir={str(run_dir)!r} holds checkpoints of optim={optim}, this "
+                          f"run has optim={job.optim.name}; use another run.dir (or run.name) "
+                          f"or optim={optim}")
 
 
 def _plain(job: JobConfig) -> dict[str, Any]:

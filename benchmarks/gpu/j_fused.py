@@ -1,5 +1,5 @@
-"""Stage j (fused): our Triton AttnRes mix, SiTU-GLU, short-conv, row-norm and MoE-combine
-kernels against their references.
+"""Stage j (fused): our Triton AttnRes mix, SiTU-GLU, short-conv, row-norm, MoE-combine and
+MXFP8-cast kernels against their references.
 
     python benchmarks/gpu/j_fused.py [--device cuda] [--small]
 
@@ -9,7 +9,8 @@ trained); SiTU-GLU: the expert activations of a k3_small micro-batch (4096 token
 1024), bf16; the short conv and RMSNorm on k3_small's KDA projections (4096 tokens x 4096
 channels, 4 documents), KDA's sigmoid-gated output norm and the L2 norm over [4096, 32, 128]
 heads; the MoE combine of 4096 tokens x top-8 x latent 1024 (bf16 expert outputs, fp32
-weights). The reference is the
+weights); the MXFP8 cast (`k3::mx_cast`) of 4096 x 8 x 1024 bf16 activations along both axes,
+both scale modes, bit for bit against `model.ops.mx`'s PyTorch quantiser. The reference is the
 autograd-differentiated formula (`*_reference`) in fp32 on the same bf16 values. Reports
 errors of the output and every gradient (rel_err), and ms of forward and forward + backward for
 the kernel (the model's op: `k3::attnres_mix`, `k3::situ_glu`, `k3::short_conv`,
@@ -30,6 +31,7 @@ import torch
 
 from model.ops.attnres import attnres_mix, attnres_mix_reference
 from model.ops.combine import weighted_combine, weighted_combine_reference
+from model.ops.mx import _mx_quantize_reference, mx_quantize
 from model.ops.rms_norm import (
     gated_rms_norm,
     gated_rms_norm_reference,
@@ -42,7 +44,7 @@ from model.ops.short_conv import short_conv_silu, short_conv_silu_reference
 from model.ops.situ import situ_glu, situ_glu_reference
 
 BACKEND_VARS = ("K3_ATTNRES_BACKEND", "K3_SITU_BACKEND", "K3_CONV_BACKEND", "K3_NORM_BACKEND",
-                "K3_COMBINE_BACKEND")
+                "K3_COMBINE_BACKEND", "K3_MX_CAST_BACKEND")
 
 TOL = {"norm_rel": 1e-2}  # bf16 outputs and gradients against fp32 maths
 
@@ -158,6 +160,34 @@ def _elementwise_case(ctx: common.Ctx, name: str, shape: tuple[int, ...]) -> tup
     return errs, times
 
 
+def _mx_case(ctx: common.Ctx, rows: int, cols: int) -> tuple[dict, dict]:
+    """The MXFP8 cast of bf16 expert activations [rows, cols] along both axes (fprop's and
+    wgrad's), both modes, plus a row of special values: bit-exact against the PyTorch
+    quantiser on the same device, and ms of both (the cast has no backward)."""
+    dev = ctx.device
+    gen = torch.Generator(device=dev).manual_seed(3)
+    x = torch.randn(rows, cols, generator=gen, device=dev).to(torch.bfloat16)
+    x[0, :32] = 0
+    x[1, 5] = float("nan")
+    x[2, 40] = float("inf")
+    x[3] *= 1e-30
+    res: dict = {}
+    for dim in (-1, 0):
+        for mode in ("rceil", "floor"):
+            d, s = mx_quantize(x, 32, dim, mode)
+            d_ref, s_ref = _mx_quantize_reference(x, 32, dim % 2, mode)
+            mism = (d.view(torch.uint8) != d_ref.view(torch.uint8)).sum().item()
+            mism += (s.view(torch.uint8) != s_ref.view(torch.uint8)).sum().item()
+            res[f"dim{dim}_{mode}_mismatched_bytes"] = int(mism)
+    res["within_tol"] = all(v == 0 for k, v in res.items() if k.endswith("bytes"))
+    times = {}
+    for key, fn in (("kernel", lambda: mx_quantize(x, 32, 0, "rceil")),
+                    ("reference", lambda: _mx_quantize_reference(x, 32, 0, "rceil"))):
+        if ctx.left() > 8:
+            times[key] = {"fwd_ms": common.best_ms(ctx, fn)["ms"]}
+    return res, times
+
+
 def main(ctx: common.Ctx, out: dict) -> bool:
     if ctx.cuda:  # the kernels, not a fallback: fail loudly if triton is unusable
         for var in BACKEND_VARS:
@@ -187,6 +217,11 @@ def main(ctx: common.Ctx, out: dict) -> bool:
         if res is not None:
             out[key], timings[key] = res
             ok &= res[0]["within_tol"]
+    mx = (256, 96) if ctx.small else (4096 * 8, 1024)
+    res = common.attempt(out, "mx_cast", functools.partial(_mx_case, ctx, *mx))
+    if res is not None:
+        out["mx_cast"], timings["mx_cast"] = res
+        ok &= res[0]["within_tol"]
     out["within_tol"] = bool(ok) and not out.get("failed")
     out["timings"] = timings
     return True

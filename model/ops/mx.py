@@ -23,6 +23,13 @@ Special blocks (the choices follow torchao's `_to_mx_rceil` except where noted):
   (448·2^127 overflows float32) for the Inf elements.
 - subnormal inputs: frexp is exact for them; the scale then clamps at 2^-127.
 
+Backends: on CUDA (16/32-bit inputs, blocks of 32; and in fake-tensor traces under
+`force_cuda_backends()`) `mx_quantize` and `fake_quantize_mx` run the custom op `k3::mx_cast`,
+our Triton kernel (`model.ops.mx_triton`: one read, one write, bit-exact with the PyTorch
+formulas here, which stay the oracle). `K3_MX_CAST_BACKEND=auto|torch|triton` overrides.
+torchao's casts are not used: torchao is not a dependency of the GPU machine, and ours is
+checked bit for bit against this module under TRITON_INTERPRET=1 in CI.
+
 Deliberately not here: E5M2/FP6/FP4 elements, CEIL/EVEN modes, the cuBLAS 128x4 scale swizzle,
 autograd through the quantised bytes. Arithmetic runs in float32 because CPU fp8 dtypes are
 storage-only; float64 inputs are rounded to float32 first (torch's own float64 -> e4m3 cast goes
@@ -32,6 +39,8 @@ through float32 too, so it double-rounds).
 from __future__ import annotations
 
 import torch
+
+from model.ops.backends import triton_chosen, use_fused_kernel
 
 BLOCK_SIZE = 32
 E4M3_MAX = 448.0
@@ -90,6 +99,16 @@ def mx_quantize(
             f"block_size={block_size}; pad first with pad_to_block(x, {block_size}, dim={dim}) "
             f"and slice the result back"
         )
+    if _cast_fused(x, block_size):
+        q, sc = _mx_cast_op(x.detach().contiguous(), dim, mode == "floor", False)
+        return q.view(torch.float8_e4m3fn), sc.view(torch.float8_e8m0fnu)
+    return _mx_quantize_reference(x, block_size, dim, mode)
+
+
+def _mx_quantize_reference(x: torch.Tensor, block_size: int, dim: int, mode: str
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`mx_quantize` in PyTorch ops (the oracle of the kernel)."""
+    n = x.shape[dim]
     xf = x.detach().movedim(dim, -1).to(torch.float32)  # [..., n]
     xb = xf.reshape(*xf.shape[:-1], n // block_size, block_size)  # [..., B, 32]
     has_nan = xb.isnan().any(-1)  # [..., B]
@@ -110,6 +129,40 @@ def mx_quantize(
     data = q_bytes.reshape(xf.shape).movedim(-1, dim).contiguous().view(torch.float8_e4m3fn)
     scale = s_bytes.movedim(-1, dim).contiguous().view(torch.float8_e8m0fnu)
     return data, scale
+
+
+_ENV = "K3_MX_CAST_BACKEND"
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _cast_fused(x: torch.Tensor, block_size: int) -> bool:
+    """Whether the cast runs as `k3::mx_cast` (our Triton kernel on CUDA)."""
+    return (block_size == BLOCK_SIZE and x.dtype in _KERNEL_DTYPES and x.ndim > 0
+            and use_fused_kernel(x, _ENV))
+
+
+@torch.library.custom_op("k3::mx_cast", mutates_args=())
+def _mx_cast_op(x: torch.Tensor, dim: int, floor: bool, fake: bool
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 bytes as uint8, or with ``fake`` the dequantised values in x's dtype; e8m0 scale
+    bytes as uint8) of contiguous x, blocks of 32 along `dim` (a multiple of 32 long)."""
+    mode = "floor" if floor else "rceil"
+    if triton_chosen(x, _ENV):
+        from model.ops import mx_triton
+
+        return mx_triton.mx_cast(x, dim, floor, fake)
+    data, scale = _mx_quantize_reference(x, BLOCK_SIZE, dim, mode)  # forced off CUDA
+    if fake:
+        return mx_dequantize(data, scale, BLOCK_SIZE, dim, x.dtype), scale.view(torch.uint8)
+    return data.view(torch.uint8), scale.view(torch.uint8)
+
+
+@_mx_cast_op.register_fake
+def _(x, dim, floor, fake):
+    d = dim % x.ndim
+    s_shape = (*x.shape[:d], x.shape[d] // BLOCK_SIZE, *x.shape[d + 1:])
+    q = torch.empty_like(x) if fake else x.new_empty(x.shape, dtype=torch.uint8)
+    return q, x.new_empty(s_shape, dtype=torch.uint8)
 
 
 def mx_dequantize(
@@ -136,6 +189,8 @@ def mx_dequantize(
 
 
 def _fake_quantize(x: torch.Tensor, block_size: int, dim: int, mode: str) -> torch.Tensor:
+    if _cast_fused(x, block_size) and x.shape[dim % x.ndim] % block_size == 0:
+        return _mx_cast_op(x.detach().contiguous(), dim % x.ndim, mode == "floor", True)[0]
     data, scale = mx_quantize(x, block_size, dim, mode)
     return mx_dequantize(data, scale, block_size, dim, dtype=x.dtype)
 

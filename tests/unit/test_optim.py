@@ -41,3 +41,38 @@ def test_no_weight_decay_on_norms_gates_and_attnres():
     assert frozen == {"layers.0.self_attention_res_norm.weight",
                       "layers.0.self_attention_res_proj.weight"}
     assert not (decay | no_decay) & frozen
+
+
+@pytest.mark.parametrize("max_norm", [0.05, 1e9])
+def test_clip_folded_into_fused_adamw_matches_scaling_the_gradients(max_norm):
+    """On CUDA the clip factor goes to fused AdamW as grad_scale (one gradient pass saved): the
+    step equals clipping in place then stepping (torch's fused AdamW also runs on CPU), and
+    the gradients are not touched before the step."""
+    import torch
+
+    from parallel.grads import clip_grad_norm, takes_grad_scale
+
+    gen = torch.Generator().manual_seed(0)
+    base = [torch.randn(7, 5, generator=gen), torch.randn(11, generator=gen)]
+    grads = [torch.randn(p.shape, generator=gen) for p in base]
+    results = []
+    for fold in (True, False):
+        params = [torch.nn.Parameter(p.clone()) for p in base]
+        opt = torch.optim.AdamW(params, lr=0.1, weight_decay=0.1, fused=True)
+        assert takes_grad_scale(opt)
+        for step in range(2):  # a new clip factor each step (Adam is invariant to a fixed one)
+            for p, g in zip(params, grads):
+                p.grad = g * (1 + 4 * step)
+            norm = clip_grad_norm(params, max_norm, optimizer=opt if fold else None)
+            if fold:
+                assert all(torch.equal(p.grad, g * (1 + 4 * step)) for p, g in zip(params, grads))
+            opt.step()
+        results.append([p.detach() for p in params])
+    want = 5 * math.sqrt(sum(float(g.double().square().sum()) for g in grads))
+    assert norm == pytest.approx(want)
+    for a, b in zip(*results):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-7)
+    moved = max(float((a - p).abs().max()) for a, p in zip(results[0], base))
+    assert moved > 0.05  # the step did something
+    assert not takes_grad_scale(torch.optim.AdamW(
+        [torch.nn.Parameter(torch.zeros(2))], fused=False))

@@ -1,0 +1,209 @@
+"""K3's optimizer: Per-Head Muon on the decoder's matrices, AdamW on everything else.
+
+Muon (Jordan et al. 2024; Moonlight, Liu et al. 2025) for a matrix parameter W with gradient G:
+    B <- lerp(B, G, 1 - mu)                         momentum (EMA form, torch.optim.Muon's)
+    U <- lerp(G, B, mu)  (Nesterov; else U = B)
+    O <- NS5(U)          per block: 5 quintic Newton-Schulz steps, X <- aX + (bA + cA^2) X with
+                         A = X X^T, (a, b, c) = (3.4445, -4.7750, 2.0315), X0 = U / ||U||_F
+                         (transposed so that rows <= cols), in bf16 as the Muon/Moonlight papers
+                         and torch.optim.Muon do (float64 for float64 parameters: the
+                         verification mode)
+    W <- W (1 - lr wd) - lr * 0.2 sqrt(max(rows, cols)) * O     per block shape (Moonlight's
+                         AdamW-RMS match, so one learning rate serves both optimizers)
+"Per-head": the blocks are not always whole matrices (`muon_blocks`):
+- KDA q/k/v projections: one block per head (head_dim rows);
+- MLA q (or q_b) projection: one block per head (q/k head dim, 192 rows); kv_b_proj: per head,
+  its k_C rows and its v rows as two separate blocks; the down-projections whole;
+- routed experts [E, out, in]: each expert's matrix on its own;
+- every other 2-D decoder matrix whole (output, MLP, shared-expert, latent and gate
+  projections).
+AdamW (`optim.betas`, `optim.eps`; weight decay as `train.optim.no_weight_decay` says) takes the
+embedding, the LM head, norms and other vectors, AttnRes pseudo-queries, A_log / dt_bias, the
+short-conv kernels and the router (`adamw_only`). Blocks of one shape are orthogonalised
+together in one batched Newton-Schulz (no Python loop over heads or experts).
+
+`MuonAdamW` is one `torch.optim.Optimizer` over both (one state dict for DCP, one LR scheduler):
+its AdamW groups are driven by an inner `torch.optim.AdamW` (fused on CUDA) sharing the same
+group dicts and state. One rank only so far: with a sharded layout a parameter's local piece is
+not its matrix (`train.config.validate_job` refuses optim=muon there; distributed Muon is the
+rest of issue #15).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+NS_EPS = 1e-7
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """How a parameter splits into Muon blocks: viewed as [n, sum(rows), cols], each of the n
+    slices cut along its rows into `rows` blocks. n = the parameter's leading rows / sum(rows)
+    (heads, or experts for a 3-D stack)."""
+
+    rows: tuple[int, ...] | None = None  # None: each [out, in] matrix whole
+
+    def views(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """The blocks of t as [n, r, cols] tensors (views where the split allows)."""
+        if t.ndim == 3:  # stacked experts: [E, out, in], each expert on its own
+            mats = t
+        else:
+            mats = t.unsqueeze(0)
+        if self.rows is None:
+            return [mats]
+        n_rows, cols = mats.shape[-2:]
+        per = sum(self.rows)
+        if n_rows % per:
+            raise ValueError(f"Muon blocks {self.rows} do not tile {n_rows} rows")
+        heads = mats.reshape(-1, per, cols)  # [n, per, cols]
+        return list(heads.split(list(self.rows), dim=1))
+
+    def assemble(self, parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+        """Inverse of `views`."""
+        if self.rows is None:
+            return parts[0].reshape(like.shape)
+        return torch.cat(parts, dim=1).reshape(like.shape)
+
+
+def muon_blocks(model: nn.Module) -> dict[str, Blocks]:
+    """Parameter name -> its Muon blocks, for every parameter Muon takes (module docstring)."""
+    from model.kda import KimiDeltaAttention
+    from model.mla import GatedMLA
+    from model.moe import RoutedExperts
+
+    per_module: dict[str, Blocks] = {}
+    for mod_name, module in model.named_modules():
+        prefix = f"{mod_name}." if mod_name else ""
+        if isinstance(module, KimiDeltaAttention):
+            for proj in ("q_proj", "k_proj", "v_proj"):
+                per_module[f"{prefix}{proj}.weight"] = Blocks((module.head_dim,))
+        elif isinstance(module, GatedMLA):
+            qk = module.nope + module.rope
+            for proj in ("q_proj", "q_b_proj"):
+                per_module[f"{prefix}{proj}.weight"] = Blocks((qk,))
+            per_module[f"{prefix}kv_b_proj.weight"] = Blocks((module.nope, module.v_dim))
+        elif isinstance(module, RoutedExperts):
+            for w in ("w1", "w3", "w2"):
+                per_module[f"{prefix}{w}"] = Blocks()
+    out = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad or adamw_only(name, p):
+            continue
+        out[name] = per_module.get(name, Blocks())
+    return out
+
+
+def adamw_only(name: str, p: torch.Tensor) -> bool:
+    """Parameters Muon never takes: vectors, the embedding and LM head, AttnRes
+    pseudo-queries, the short-conv kernels and the router."""
+    return (p.ndim < 2 or "embed_tokens" in name or "lm_head" in name
+            or name.endswith("_res_proj.weight") or "conv1d" in name
+            or name.endswith(".gate.weight"))  # the MoE router (`LatentMoE.gate`)
+
+
+def newton_schulz(x: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """Quintic Newton-Schulz orthogonalisation of each matrix of x [n, r, c] (module
+    docstring): bf16 for 16/32-bit inputs, float64 for float64; returns x's dtype."""
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.bfloat16
+    a, b, c = NS_COEFFICIENTS
+    X = x.to(dtype)
+    tall = X.shape[-2] > X.shape[-1]
+    if tall:
+        X = X.mT
+    X = X / X.norm(dim=(-2, -1), keepdim=True).clamp(min=NS_EPS)
+    for _ in range(steps):
+        A = X @ X.mT
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
+        X = torch.baddbmm(X, B, X, beta=a)
+    if tall:
+        X = X.mT
+    return X.to(x.dtype)
+
+
+def rms_matched_lr(lr: float, rows: int, cols: int) -> float:
+    """Moonlight's scaling: the update's RMS matches AdamW's (torch's "match_rms_adamw")."""
+    return 0.2 * math.sqrt(max(rows, cols)) * lr
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """Muon on `blocks`' parameters, AdamW on the rest (module docstring)."""
+
+    def __init__(self, model: nn.Module, lr: float, weight_decay: float, momentum: float = 0.95,
+                 nesterov: bool = True, ns_steps: int = 5, betas: tuple[float, float] = (0.9, 0.95),
+                 eps: float = 1e-8, fused_adamw: bool | None = None) -> None:
+        from train.optim import no_weight_decay
+
+        blocks = muon_blocks(model)
+        muon, decay, no_decay = [], [], []
+        self._blocks: dict[torch.Tensor, Blocks] = {}
+        for name, p in model.named_parameters():
+            if not p.requires_grad:
+                continue
+            if name in blocks:
+                muon.append(p)
+                self._blocks[p] = blocks[name]
+            else:
+                (no_decay if no_weight_decay(name, p) else decay).append(p)
+        self._adamw = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": weight_decay},
+             {"params": no_decay, "weight_decay": 0.0}],
+            lr=lr, betas=betas, eps=eps, fused=fused_adamw)
+        for g in self._adamw.param_groups:
+            g["algo"] = "adamw"
+        muon_group = {"params": muon, "algo": "muon", "lr": lr, "weight_decay": weight_decay,
+                      "momentum": momentum, "nesterov": nesterov, "ns_steps": ns_steps}
+        super().__init__([muon_group], {"lr": lr})
+        self.param_groups.extend(self._adamw.param_groups)  # the same dicts: one scheduler
+        self._adamw.state = self.state  # one state for both: one state dict
+
+    def load_state_dict(self, state_dict) -> None:
+        super().load_state_dict(state_dict)
+        self._adamw.state = self.state  # the base class rebinds self.state
+        self._adamw.param_groups = [g for g in self.param_groups if g["algo"] == "adamw"]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if group["algo"] == "muon":
+                self._muon_step(group)
+        self._adamw.step()
+        return loss
+
+    def _muon_step(self, group: dict) -> None:
+        mu, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
+        by_shape: dict[tuple[int, int, torch.dtype], list] = defaultdict(list)
+        pending = []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p)
+            buf = state["momentum_buffer"]
+            buf.lerp_(p.grad, 1 - mu)
+            update = p.grad.lerp(buf, mu) if group["nesterov"] else buf
+            spec = self._blocks[p]
+            parts = spec.views(update)
+            slots = []
+            for part in parts:
+                key = (part.shape[-2], part.shape[-1], part.dtype)
+                slots.append((key, len(by_shape[key])))
+                by_shape[key].append(part)
+            pending.append((p, spec, slots))
+        done = {key: newton_schulz(torch.cat(parts), group["ns_steps"]).split(
+            [t.shape[0] for t in parts]) for key, parts in by_shape.items()}
+        for p, spec, slots in pending:
+            scaled = [done[key][i] * rms_matched_lr(lr, key[0], key[1]) for key, i in slots]
+            p.mul_(1 - lr * wd)
+            p.sub_(spec.assemble(scaled, p))
