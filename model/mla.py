@@ -6,6 +6,11 @@ q-LoRA (RMSNorm eps 1e-6) -> q [H, 128+64]; kv-LoRA (RMSNorm eps 1e-6) -> k_C, v
 `model.ops.attention.packed_causal_attention`: SDPA `is_causal` for unpacked rows; for packed
 documents varlen FlashAttention on CUDA or a blockwise masked SDPA elsewhere, neither of which
 builds a [T, T] mask or reads tensor data on the host.
+
+QK-Clip support (`train.qk_clip`): after `track_logits()`, training forwards keep in the buffer
+`logit_max` [local heads] the running maximum of each head's log-sum-exp bound on its
+pre-softmax logits (`packed_causal_attention(logit_bound=True)`), and `qk_clip_rows` gives the
+per-row factors that rescale a head's q_C / k_C by sqrt(tau/S) and its q_R by tau/S.
 """
 
 from __future__ import annotations
@@ -44,6 +49,26 @@ class GatedMLA(nn.Module):
         self.kv_b_proj = lin(cfg.kv_lora_rank, H * (self.nope + self.v_dim))
         self.g_proj = lin(d, H * self.v_dim) if cfg.mla_use_output_gate else None
         self.o_proj = lin(H * self.v_dim, d)
+        self.register_buffer("logit_max", None, persistent=False)  # `track_logits` sets it
+
+    def track_logits(self, device: torch.device | str) -> None:
+        """Record each head's logit bound in training forwards (after any head sharding: the
+        buffer has this module's `num_heads`), starting from -inf."""
+        self.register_buffer("logit_max", torch.full((self.num_heads,), float("-inf"),
+                                                     device=device), persistent=False)
+
+    def qk_clip_rows(self, factor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per-row multipliers of the q and kv_b projections for per-head factors tau / S
+        (<= 1; [all heads]): a head's q_C and k_C rows sqrt(f), its q_R rows f (they meet the
+        shared k_R, untouched), its v rows 1. Keys: parameter names inside this module."""
+        root = factor.sqrt()
+        ones = torch.ones_like(factor)
+        q_rows = torch.cat([root[:, None].expand(-1, self.nope),
+                            factor[:, None].expand(-1, self.rope)], dim=1).reshape(-1)
+        kv_rows = torch.cat([root[:, None].expand(-1, self.nope),
+                             ones[:, None].expand(-1, self.v_dim)], dim=1).reshape(-1)
+        q_name = "q_proj.weight" if hasattr(self, "q_proj") else "q_b_proj.weight"
+        return {q_name: q_rows, "kv_b_proj.weight": kv_rows}
 
     def forward(self, x: torch.Tensor, packing: Packing) -> torch.Tensor:
         B, T, _ = x.shape
@@ -57,7 +82,11 @@ class GatedMLA(nn.Module):
         kv = self.kv_b_proj(self.kv_a_layernorm(c_kv)).view(B, T, H, self.nope + self.v_dim)
         k_c, v = kv.split([self.nope, self.v_dim], dim=-1)  # [B, T, H, 128], [B, T, H, 128]
         k = torch.cat([k_c, k_r.unsqueeze(2).expand(B, T, H, self.rope)], dim=-1)  # [B,T,H,192]
-        o = packed_causal_attention(q, k, v, packing, self.scale)  # [B, T, H, v]
+        if self.logit_max is not None and self.training:
+            o, bound = packed_causal_attention(q, k, v, packing, self.scale, logit_bound=True)
+            torch.maximum(self.logit_max, bound, out=self.logit_max)  # a recompute: idempotent
+        else:
+            o = packed_causal_attention(q, k, v, packing, self.scale)  # [B, T, H, v]
         o = o.reshape(B, T, H * self.v_dim)
         if self.g_proj is not None:
             compute = torch.promote_types(o.dtype, torch.float32)

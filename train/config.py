@@ -87,6 +87,9 @@ class OptimConfig:
     momentum: float = 0.95  # muon: Nesterov momentum of the Muon side (train.muon)
     nesterov: bool = True
     ns_steps: int = 5  # muon: quintic Newton-Schulz iterations
+    # QK-Clip (train.qk_clip): rescale MLA heads whose logit bound exceeds tau after each step;
+    # None disables (optim=muon sets 100, K2's value)
+    qk_clip_tau: float | None = None
 
 
 @dataclass
@@ -196,6 +199,8 @@ def validate_job(job: JobConfig, world_size: int) -> JobConfig:
           "issue #15); use optim=adamw, or one process")
     _need(0 <= o.momentum < 1, f"optim.momentum={o.momentum} must be in [0, 1)")
     _need(o.ns_steps > 0, f"optim.ns_steps={o.ns_steps} must be > 0")
+    _need(o.qk_clip_tau is None or o.qk_clip_tau > 0,
+          f"optim.qk_clip_tau={o.qk_clip_tau} must be > 0, or null to disable QK-Clip")
     _need(o.lr > 0, f"optim.lr={o.lr} must be > 0")
     _need(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas),
           f"optim.betas={list(o.betas)} must be two numbers in [0, 1)")

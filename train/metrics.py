@@ -128,14 +128,16 @@ def _truncate_jsonl(path: Path, resume_step: int) -> None:
 
 
 def wandb_values(values: dict) -> dict[str, float | int]:
-    """The W&B form of a metrics record: scalars as they are; per-MoE-layer lists (same length
-    as `moe_layer_ids`) become one chart per layer, `<key>/L<layer>`; other lists are dropped."""
-    layers = values.get("moe_layer_ids") or []
+    """The W&B form of a metrics record: scalars as they are; per-layer lists (same length as
+    `moe_layer_ids`, or `mla_layer_ids` for the `attn_*` ones) become one chart per layer,
+    `<key>/L<layer>`; other lists are dropped."""
     out: dict[str, float | int] = {}
     for k, v in values.items():
-        if v is None or k in ("moe_layer_ids", "sample_ids"):
+        if v is None or k in ("moe_layer_ids", "mla_layer_ids", "sample_ids"):
             continue
         if isinstance(v, list):
+            layers = values.get("mla_layer_ids" if k.startswith("attn_") else "moe_layer_ids")
+            layers = layers or []
             if len(v) == len(layers) and all(isinstance(x, (int, float)) for x in v):
                 out.update({f"{k}/L{layer}": x for layer, x in zip(layers, v, strict=True)})
             continue

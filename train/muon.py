@@ -5,9 +5,9 @@ Muon (Jordan et al. 2024; Moonlight, Liu et al. 2025) for a matrix parameter W w
     U <- lerp(G, B, mu)  (Nesterov; else U = B)
     O <- NS5(U)          per block: 5 quintic Newton-Schulz steps, X <- aX + (bA + cA^2) X with
                          A = X X^T, (a, b, c) = (3.4445, -4.7750, 2.0315), X0 = U / ||U||_F
-                         (transposed so that rows <= cols), in bf16 as the Muon/Moonlight papers
-                         and torch.optim.Muon do (float64 for float64 parameters: the
-                         verification mode)
+                         (transposed so that rows <= cols), in bf16 on CUDA as the
+                         Muon/Moonlight papers and torch.optim.Muon do, fp32 on CPU (`ns_dtype`),
+                         float64 for float64 parameters (the verification mode)
     W <- W (1 - lr wd) - lr * 0.2 sqrt(max(rows, cols)) * O     per block shape (Moonlight's
                          AdamW-RMS match, so one learning rate serves both optimizers)
 "Per-head": the blocks are not always whole matrices (`muon_blocks`):
@@ -108,10 +108,19 @@ def adamw_only(name: str, p: torch.Tensor) -> bool:
             or name.endswith(".gate.weight"))  # the MoE router (`LatentMoE.gate`)
 
 
-def newton_schulz(x: torch.Tensor, steps: int = 5) -> torch.Tensor:
+def ns_dtype(x: torch.Tensor) -> torch.dtype:
+    """The iteration's precision: bf16 on CUDA (the Muon / Moonlight papers, torch.optim.Muon),
+    fp32 on CPU (whose bf16 GEMMs are ~30x slower than fp32 ones), fp64 for fp64 inputs."""
+    if x.dtype == torch.float64:
+        return torch.float64
+    return torch.bfloat16 if x.is_cuda else torch.float32
+
+
+def newton_schulz(x: torch.Tensor, steps: int = 5, dtype: torch.dtype | None = None
+                  ) -> torch.Tensor:
     """Quintic Newton-Schulz orthogonalisation of each matrix of x [n, r, c] (module
-    docstring): bf16 for 16/32-bit inputs, float64 for float64; returns x's dtype."""
-    dtype = torch.float64 if x.dtype == torch.float64 else torch.bfloat16
+    docstring) in `dtype` (default `ns_dtype`); returns x's dtype."""
+    dtype = dtype or ns_dtype(x)
     a, b, c = NS_COEFFICIENTS
     X = x.to(dtype)
     tall = X.shape[-2] > X.shape[-1]

@@ -49,6 +49,7 @@ from train.metrics import MetricsLogger, memory_stats
 from train.model_stats import moe_layer_indices
 from train.optim import build_optimizer, build_scheduler
 from train.profiling import StepProfiler, format_summary
+from train.qk_clip import qk_clip, qk_clip_metrics, reset_logits, track_logits
 
 
 def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
@@ -69,6 +70,9 @@ def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
     if env.is_main:
         _describe_layout(pm, env)
     model = pm.model
+    tau = job.optim.qk_clip_tau
+    if tau is not None:
+        track_logits(model, env.device)
     optimizer = build_optimizer(model, job.optim)
     scheduler = build_scheduler(optimizer, job.train.steps, job.optim)
     state: dict[str, Any] = {"step": 0, "tokens_seen": 0}
@@ -94,9 +98,12 @@ def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
             batches = loader.next_step()
             flops = batch_flops(job.model, batches)  # host data: the loader's cu_seqlens
             syncs = SyncCounts() if job.train.count_host_syncs else None
+            if tau is not None:
+                reset_logits(model)
             with syncs.step if syncs else contextlib.nullcontext():
                 loss, _, grad_norm, step_model_flops = train_step(
                     pm, optimizer, batches, env, job.optim.grad_clip, syncs, flops)
+            qk = {} if tau is None else _qk_clip(pm, job.model, tau, env.device)
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
             loads = _layer_stats(model, balance_routers(model, meshes.batch_group),
@@ -116,7 +123,7 @@ def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
                 "mfu": (step_model_flops / dt / (env.world_size * peak)) if peak else None,
                 "model_flops": step_model_flops,
                 "step_time_s": dt, "tokens_seen": state["tokens_seen"],
-                **loads,
+                **loads, **qk,
                 **memory_stats(env.device),
                 **(syncs.metrics() if syncs else {})}
             if job.train.log_sample_ids:
@@ -276,6 +283,15 @@ def _layer_stats(model: K3Model, ratios: list[float], ep: dict, pp_group) -> dic
                    ep_rank_load_static_mean=sum(static) / len(static),
                    ep_rank_load_replicated_mean=sum(replicated) / len(replicated))
     return out
+
+
+def _qk_clip(pm: ParallelModel, cfg, tau: float, device: torch.device) -> dict:
+    """QK-Clip after the optimizer step (`train.qk_clip`) and its metrics."""
+    tp = pm.dims.tp
+    offset = 0 if tp == 1 else pm.meshes.tp.get_local_rank() * (cfg.num_attention_heads // tp)
+    S = qk_clip(pm.model, tau, cfg.num_hidden_layers, cfg.num_attention_heads, device, offset)
+    mla = [i for i, t in enumerate(cfg.layer_types) if t == "mla"]
+    return qk_clip_metrics(S, tau, mla)
 
 
 def _global_sample_ids(batches: list[dict], env: DistEnv, group) -> list[int]:

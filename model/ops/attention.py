@@ -78,17 +78,24 @@ def _attention_choice(device_type: str, dtype: torch.dtype, forced: bool) -> str
 
 
 def packed_causal_attention(q: Tensor, k: Tensor, v: Tensor, packing: Packing | None,
-                            scale: float) -> Tensor:
-    """Causal attention within each document: [B, T, H, Dqk] x2, [B, T, H, Dv] -> [B, T, H, Dv]."""
+                            scale: float, logit_bound: bool = False
+                            ) -> Tensor | tuple[Tensor, Tensor]:
+    """Causal attention within each document: [B, T, H, Dqk] x2, [B, T, H, Dv] -> [B, T, H, Dv].
+
+    ``logit_bound``: also return, per head, the largest log-sum-exp of any query's scaled
+    logits ([H] fp32, no gradient): an upper bound on the head's largest pre-softmax logit,
+    within log(document length) of it (QK-Clip's S_max). The varlen kernel returns it with the
+    output; the reference paths compute it blockwise (a second Q K^T, no gradient)."""
     B, T, H, D = q.shape
     if k.shape != q.shape or v.shape[:3] != (B, T, H):
         raise ValueError(f"q, k [B, T, H, Dqk] and v [B, T, H, Dv] must agree, got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if packing is None or not packing.packed:
-        return F.scaled_dot_product_attention(
+        o = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # [B, H, T, *]
             is_causal=True, scale=scale,
         ).transpose(1, 2)  # [B, T, H, Dv]
+        return (o, _lse_bound(q, k, None, scale)) if logit_bound else o
     if (packing.batch, packing.seqlen) != (B, T):
         raise ValueError(f"packing is for a [{packing.batch}, {packing.seqlen}] batch, "
                          f"q is [{B}, {T}, ...]")
@@ -97,11 +104,35 @@ def packed_causal_attention(q: Tensor, k: Tensor, v: Tensor, packing: Packing | 
             raise ValueError(f"varlen attention pads v to the q/k head dim: needs Dv <= Dqk, got "
                              f"Dv={v.shape[-1]} > Dqk={D}; set K3_ATTN_BACKEND=blockwise")
         flat = (B * T, H)
-        o, _ = varlen_attention(q.reshape(*flat, D), k.reshape(*flat, D),
-                                v.reshape(*flat, v.shape[-1]), packing.cu_seqlens,
-                                packing.max_seqlen, float(scale))
-        return o.view(B, T, H, v.shape[-1])
-    return blockwise_attention(q, k, v, packing, scale)
+        o, lse = varlen_attention(q.reshape(*flat, D), k.reshape(*flat, D),
+                                  v.reshape(*flat, v.shape[-1]), packing.cu_seqlens,
+                                  packing.max_seqlen, float(scale))
+        o = o.view(B, T, H, v.shape[-1])
+        return (o, lse.detach().amax(dim=1).float()) if logit_bound else o  # lse [H, N]
+    o = blockwise_attention(q, k, v, packing, scale)
+    return (o, _lse_bound(q, k, packing.doc_ids, scale)) if logit_bound else o
+
+
+@torch.no_grad()
+def _lse_bound(q: Tensor, k: Tensor, doc_ids: Tensor | None, scale: float,
+               block_q: int = BLOCK_Q) -> Tensor:
+    """Per head, the largest log-sum-exp over a query's causal same-document keys ([H] fp32):
+    the reference paths' QK-Clip bound, blockwise like `blockwise_attention`."""
+    B, T, H, D = q.shape
+    compute = torch.promote_types(q.dtype, torch.float32)
+    qh = q.detach().to(compute).transpose(1, 2)  # [B, H, T, D]
+    kh = k.detach().to(compute).transpose(1, 2)
+    pos = torch.arange(T, device=q.device)
+    best = torch.full((H,), float("-inf"), dtype=compute, device=q.device)
+    for s in range(0, T, block_q):  # static: T is a shape
+        e = min(s + block_q, T)
+        keep = (pos[s:e, None] >= pos[None, :e]).expand(B, e - s, e)  # [B, Bq, e]
+        if doc_ids is not None:
+            keep = keep & (doc_ids[:, s:e, None] == doc_ids[:, None, :e])
+        scores = (qh[:, :, s:e] @ kh[:, :, :e].mT) * scale  # [B, H, Bq, e]
+        scores = scores.masked_fill(~keep.unsqueeze(1), float("-inf"))
+        best = torch.maximum(best, torch.logsumexp(scores, dim=-1).amax(dim=(0, 2)))
+    return best.float()
 
 
 # ----------------------------------------------------------------------------- blockwise

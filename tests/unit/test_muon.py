@@ -38,13 +38,19 @@ def test_newton_schulz_orthogonalises_in_the_quintic_band(shape):
     assert diag.min() > 0.6 and diag.max() < 1.25
     # the spectrum collapsed: the input spanned [0.05, 1] (x20), the output spans < x2.1
     assert float(diag.max() / diag.min()) < 2.1
-    bf16 = newton_schulz(x.float()).double()  # the training precision: bf16 iterations
+    bf16 = newton_schulz(x.float(), dtype=torch.bfloat16).double()  # CUDA's precision
     assert (bf16 - o).norm() / o.norm() < 2e-2
+    fp32 = newton_schulz(x.float()).double()  # CPU's
+    assert (fp32 - o).norm() / o.norm() < 1e-5
 
 
-def test_one_matrix_matches_torch_muon():
+def test_one_matrix_matches_torch_muon(monkeypatch):
     """A whole matrix: three steps of MuonAdamW equal torch.optim.Muon with
-    adjust_lr_fn="match_rms_adamw" (both iterate in bf16: equal to bf16 rounding)."""
+    adjust_lr_fn="match_rms_adamw" (both iterating in bf16, CUDA's precision: equal to bf16
+    rounding of the batched vs 2-D GEMMs)."""
+    import train.muon as muon_mod
+
+    monkeypatch.setattr(muon_mod, "ns_dtype", lambda x: torch.bfloat16)
     torch.manual_seed(0)
     ours_m, ref_m = nn.Linear(48, 32, bias=False), nn.Linear(48, 32, bias=False)
     ref_m.load_state_dict(ours_m.state_dict())
@@ -59,7 +65,7 @@ def test_one_matrix_matches_torch_muon():
         ref.step()
     moved = (ref_m.weight - w0).norm()
     assert moved > 0.05
-    assert (ours_m.weight - ref_m.weight).norm() / moved < 1e-2
+    assert (ours_m.weight - ref_m.weight).norm() / moved < 5e-3
 
 
 def test_per_head_blocks_are_single_matrix_updates():
