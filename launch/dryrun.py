@@ -11,7 +11,9 @@ and this rank's parameter counts and bytes) and a summary line. No tensor is all
 
 Bytes per rank: fp32 master weights + fp32 gradients + AdamW's two fp32 moments (16 B per local
 parameter), plus, under PP (layers keep their gathered weights between micro-batches), the
-gathered compute-dtype weights of the rank's layers. Activations are not counted.
+gathered compute-dtype weights of the rank's layers. Activations are not counted. With
+`optim=muon`: the matrices that go to owner ranks and the most bytes any data rank sends per
+step in Muon's two exchanges (`muon_exchange_gib`, fp32).
 """
 
 from __future__ import annotations
@@ -59,7 +61,16 @@ def describe_rank(job, dims, meshes, pp_rank: int) -> dict:
         if dims.pp > 1 else 0
     local = local_dense + local_expert
     layers = sorted(int(k) for k in out.model.layers.keys())
-    return {
+    extra = {}
+    if job.optim.name == "muon":  # bytes the owner exchanges send per step (fp32 updates)
+        from train.muon import exchange_plans
+
+        plans = exchange_plans(out.model)
+        extra["muon_exchange_gib"] = round(max(
+            (sum(e.exchange_bytes(4, r) for e in plans) for r in range(dims.dp_shard)),
+            default=0) / 2**30, 3)
+        extra["muon_owner_matrices"] = sum(len(e.shapes) for e in plans)
+    return {**extra,
         "pp_rank": pp_rank,
         "stages": out.stages or [0],
         "layers": f"{layers[0]}-{layers[-1]}" if layers else "",

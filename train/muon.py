@@ -24,9 +24,9 @@ together in one batched Newton-Schulz (no Python loop over heads or experts).
 
 `MuonAdamW` is one `torch.optim.Optimizer` over both (one state dict for DCP, one LR scheduler):
 its AdamW groups are driven by an inner `torch.optim.AdamW` (fused on CUDA) sharing the same
-group dicts and state. One rank only so far: with a sharded layout a parameter's local piece is
-not its matrix (`train.config.validate_job` refuses optim=muon there; distributed Muon is the
-rest of issue #15).
+group dicts and state. FSDP-sharded matrices are orthogonalised on the rank that holds whole
+blocks of them, or on one owner rank (`train.muon_dist`); tensor / expert parallel layouts are
+refused by `train.config.validate_job` (issue #15).
 """
 
 from __future__ import annotations
@@ -37,6 +37,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+
+from train.muon_dist import OwnerExchange, row_ranges, shard_dim
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_EPS = 1e-7
@@ -171,6 +174,7 @@ class MuonAdamW(torch.optim.Optimizer):
         super().__init__([muon_group], {"lr": lr})
         self.param_groups.extend(self._adamw.param_groups)  # the same dicts: one scheduler
         self._adamw.state = self.state  # one state for both: one state dict
+        self._exchanges: dict[tuple, OwnerExchange] = {}
 
     def load_state_dict(self, state_dict) -> None:
         super().load_state_dict(state_dict)
@@ -191,8 +195,8 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _muon_step(self, group: dict) -> None:
         mu, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
-        by_shape: dict[tuple[int, int, torch.dtype], list] = defaultdict(list)
-        pending = []
+        local: list[tuple[torch.Tensor, Blocks, torch.Tensor]] = []
+        remote: dict[tuple, list] = defaultdict(list)
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -203,16 +207,90 @@ class MuonAdamW(torch.optim.Optimizer):
             buf.lerp_(p.grad, 1 - mu)
             update = p.grad.lerp(buf, mu) if group["nesterov"] else buf
             spec = self._blocks[p]
-            parts = spec.views(update)
-            slots = []
-            for part in parts:
+            dim = shard_dim(p)
+            if dim is None or _whole_blocks_per_rank(p, spec, dim):
+                local.append((_local(p), spec, _local(update)))
+            else:
+                remote[(id(p.device_mesh), dim)].append((p, spec, update))
+        deltas = self._deltas(group, [(spec, u) for _, spec, u in local])
+        for (p_local, _, _), d in zip(local, deltas):
+            p_local.mul_(1 - lr * wd)
+            p_local.sub_(d)
+        for items in remote.values():
+            exchange = self._exchange(items)
+            specs = [spec for _, spec, _ in items]
+            rows = exchange.step([u.to_local() for _, _, u in items], lambda idx, full, s=specs: (
+                self._deltas(group, [(s[i], f) for i, f in zip(idx, full)])))
+            for (p, _, _), d in zip(items, rows):
+                p_local = p.to_local()
+                p_local.mul_(1 - lr * wd)
+                p_local.sub_(d)
+
+    def _deltas(self, group: dict, items: list[tuple[Blocks, torch.Tensor]]
+                ) -> list[torch.Tensor]:
+        """lr-scaled orthogonalised updates of whole matrices; blocks of one shape batched."""
+        by_shape: dict[tuple[int, int, torch.dtype], list] = defaultdict(list)
+        slots = []
+        for spec, update in items:
+            mine = []
+            for part in spec.views(update):
                 key = (part.shape[-2], part.shape[-1], part.dtype)
-                slots.append((key, len(by_shape[key])))
+                mine.append((key, len(by_shape[key])))
                 by_shape[key].append(part)
-            pending.append((p, spec, slots))
+            slots.append(mine)
         done = {key: newton_schulz(torch.cat(parts), group["ns_steps"]).split(
             [t.shape[0] for t in parts]) for key, parts in by_shape.items()}
-        for p, spec, slots in pending:
-            scaled = [done[key][i] * rms_matched_lr(lr, key[0], key[1]) for key, i in slots]
-            p.mul_(1 - lr * wd)
-            p.sub_(spec.assemble(scaled, p))
+        lr = group["lr"]
+        return [spec.assemble([done[key][i] * rms_matched_lr(lr, key[0], key[1])
+                               for key, i in mine], update)
+                for (spec, update), mine in zip(items, slots)]
+
+    def _exchange(self, items: list) -> OwnerExchange:
+        """The owner plan of these sharded matrices (made once: shapes never change)."""
+        key = tuple(id(p) for p, _, _ in items)
+        if key not in self._exchanges:
+            self._exchanges[key] = owner_exchange([(p, spec) for p, spec, _ in items])
+        return self._exchanges[key]
+
+
+def owner_exchange(items: list[tuple[torch.Tensor, Blocks]]) -> OwnerExchange:
+    """The owner plan of sharded matrices on one mesh dim, owners balanced by NS FLOPs."""
+    p0 = items[0][0]
+    group = p0.device_mesh.get_group(shard_dim(p0))
+    costs = [sum(ns_flops(*part.shape[-2:]) * part.shape[0]
+                 for part in spec.views(torch.empty(p.shape, device="meta")))
+             for p, spec in items]
+    return OwnerExchange(group, [p.shape for p, _ in items], costs)
+
+
+def exchange_plans(model: nn.Module) -> list[OwnerExchange]:
+    """The owner exchanges `MuonAdamW` makes for `model`'s (sharded) parameters."""
+    blocks = muon_blocks(model)
+    groups: dict[tuple, list] = defaultdict(list)
+    for name, p in model.named_parameters():
+        if name not in blocks:
+            continue
+        dim = shard_dim(p)
+        if dim is not None and not _whole_blocks_per_rank(p, blocks[name], dim):
+            groups[(id(p.device_mesh), dim)].append((p, blocks[name]))
+    return [owner_exchange(items) for items in groups.values()]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _whole_blocks_per_rank(p: torch.Tensor, spec: Blocks, dim: int) -> bool:
+    """Whether every rank's rows of p are whole Muon blocks (no exchange needed)."""
+    rows = p.shape[0]
+    if p.ndim == 3:  # an expert stack split along the experts
+        return True
+    per = rows if spec.rows is None else sum(spec.rows)
+    return all(a % per == 0 and b % per == 0
+               for a, b in row_ranges(rows, p.device_mesh.size(dim)))
+
+
+def ns_flops(rows: int, cols: int, steps: int = 5) -> int:
+    """FLOPs of the quintic Newton-Schulz on one [rows, cols] block."""
+    r, c = min(rows, cols), max(rows, cols)
+    return steps * (4 * r * r * c + 2 * r ** 3)

@@ -1,25 +1,39 @@
 """End-to-end `optim=muon` (Per-Head Muon + AdamW, QK-Clip at tau=100) under the real launcher:
 the loss falls, QK-Clip's metrics are logged every step, a run stopped at step 8 and resumed
 by the same command repeats the straight run's losses bit for bit (Muon's momentum and AdamW's
-moments through DCP), and a multi-rank launch is refused with a one-line error."""
+moments through DCP), FSDP and pipeline layouts equal one rank (fp64), a one-rank checkpoint
+resumes on FSDP over 2 ranks with the same losses, and tensor parallelism is refused with a
+one-line error."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
-from tests.helpers.runs import losses, metrics, pretrain, pretrain_concurrently
+from tests.helpers.runs import (
+    assert_parameters_equal,
+    losses,
+    metrics,
+    pretrain,
+    pretrain_concurrently,
+)
 
 STEPS = ["optim=muon", "train.steps=12", "checkpoint.interval=4"]
+
+
+FP64 = ["optim=muon", "train.steps=3", "checkpoint.interval=3", "cluster.param_dtype=fp64"]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("muon")
-    straight, stopped = root / "straight", root / "stopped"
-    pretrain_concurrently((straight, STEPS), (stopped, [*STEPS, "train.stop_at_step=8"]))
+    straight, stopped, one = root / "straight", root / "stopped", root / "one"
+    pretrain_concurrently((straight, STEPS), (stopped, [*STEPS, "train.stop_at_step=8"]),
+                          (one, FP64))
     first = losses(stopped)
     pretrain(stopped, *STEPS)  # the same command: resumes from step 8
-    return {"straight": straight, "stopped": stopped, "first": first}
+    return {"straight": straight, "stopped": stopped, "first": first, "one": one}
 
 
 def test_muon_trains_and_logs_qk_clip(runs):
@@ -39,7 +53,36 @@ def test_muon_resume_is_bit_identical(runs):
         assert b[s] == a[s], (s, a[s], b[s])
 
 
-def test_muon_on_two_ranks_is_refused(tmp_path):
-    r = pretrain(tmp_path / "two", *STEPS, nproc=2, check=False)
-    assert r.returncode != 0
-    assert "optim=muon runs on one rank so far" in r.stderr
+def test_muon_with_tensor_parallelism_is_refused(tmp_path):
+    r = pretrain(tmp_path / "tp", *STEPS, "parallel.tp=2", nproc=2, check=False)
+    assert r.returncode != 0 and "optim=muon with parallel.tp=2" in r.stderr  # torchrun: 1
+    assert not (tmp_path / "tp" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("layout", [["parallel.dp_shard=2"], ["parallel.pp=2"]])
+def test_muon_fsdp_and_pipeline_equal_one_rank(runs, tmp_path, layout):
+    """fp64 verification mode, 3 steps: losses, gradient norms and parameters of 2 ranks
+    (FSDP over 2, or 2 pipeline stages) equal one rank's."""
+    one, two = runs["one"], tmp_path / "two"
+    pretrain(two, *FP64, *layout, nproc=2)
+    ref, got = metrics(one), metrics(two)
+    for r, g in zip(ref, got, strict=True):
+        assert abs(g["loss"] - r["loss"]) <= 1e-9 * abs(r["loss"]), (r, g)
+        assert abs(g["grad_norm"] - r["grad_norm"]) <= 1e-6 * r["grad_norm"], (r, g)
+    assert len(assert_parameters_equal(one, two, 3)) > 50
+
+
+def test_muon_checkpoint_resumes_under_another_layout(runs, tmp_path):
+    """The one-rank fp64 checkpoint of step 3 continued for 2 steps on FSDP over 2 ranks equals
+    continuing it on one rank: Muon's momentum (a DTensor like its parameter) reshards."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    shutil.copytree(runs["one"], one)
+    shutil.copytree(runs["one"], two)
+    longer = [a for a in FP64 if not a.startswith("train.steps")] + ["train.steps=5"]
+    pretrain(one, *longer)
+    pretrain(two, *longer, "parallel.dp_shard=2", nproc=2)
+    ref, got = losses(one), losses(two)
+    assert sorted(ref) == sorted(got) == [1, 2, 3, 4, 5]
+    for s in (4, 5):
+        assert abs(got[s] - ref[s]) <= 1e-9 * abs(ref[s]), (s, ref[s], got[s])
+    assert len(assert_parameters_equal(one, two, 5)) > 50
