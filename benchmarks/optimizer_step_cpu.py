@@ -16,28 +16,18 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from fused_ops_cpu import best_cpu_s  # noqa: E402  (benchmarks/ is this script's sys.path[0])
 
 from model.build import build_model  # noqa: E402
 from train.config import OptimConfig  # noqa: E402
-from train.muon import muon_blocks  # noqa: E402
+from train.muon import muon_blocks, ns_flops  # noqa: E402
 from train.optim import build_optimizer  # noqa: E402
-
-
-def best_cpu_s(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.process_time()
-        fn()
-        best = min(best, time.process_time() - t0)
-    return best
 
 
 def main() -> None:
@@ -61,11 +51,10 @@ def main() -> None:
     for n, b in blocks.items():
         for part in b.views(params[n].detach()):
             shapes[tuple(part.shape[1:])] += part.shape[0]
-    ns_flops = sum(k * 5 * (4 * min(r, c) ** 2 * max(r, c) + 2 * min(r, c) ** 3)
-                   for (r, c), k in shapes.items())
+    flops = sum(k * ns_flops(r, c) for (r, c), k in shapes.items())
     out.update(muon_params=sum(params[n].numel() for n in blocks), muon_matrices=len(blocks),
                ns_blocks=sum(shapes.values()), ns_block_shapes=len(shapes),
-               ns_flops_per_step=ns_flops,
+               ns_flops_per_step=flops,
                muon_over_adamw=out["muon_step_cpu_s"] / out["adamw_step_cpu_s"])
     print(json.dumps(out))
 

@@ -1,6 +1,6 @@
 """Kimi Delta Attention layer (k3-architecture.md §1.2-1.3): parameters and glue around the op.
 
-Projections -> short convs (SiLU) -> `chunk_kda_gated` (per-head L2 norm of q/k, gate and beta
+Projections -> short convs (SiLU) -> `chunk_kda(gate=)` (per-head L2 norm of q/k, gate and beta
 activation, the recurrence: inside fla's kernels on CUDA) -> gated RMSNorm with the full-rank
 output gate -> output projection. The op lives in `model.ops.kda`. Gate
 (`model.ops.kda.kda_gate`): K3's lower-bounded `g_min * sigmoid(exp(A_log) * (f + dt_bias))`,
@@ -14,7 +14,7 @@ from torch import nn
 
 from model.config import ModelConfig
 from model.norms import GatedRMSNorm
-from model.ops.kda import KDAGate, chunk_kda_gated
+from model.ops.kda import KDAGate, chunk_kda
 from model.packing import Packing
 from model.short_conv import ShortConv
 
@@ -53,11 +53,11 @@ class KimiDeltaAttention(nn.Module):
         b = self.b_proj(x)  # [B, T, H] beta logits
         gate = KDAGate(self.A_log, self.dt_bias, self.lower_bound)
         if packing.packed:  # varlen: one row of B*T tokens with per-document state resets
-            o, _ = chunk_kda_gated(*(t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, f, b)),
-                                   gate, cu_seqlens=packing.cu_seqlens, chunk_size=self.chunk_size,
-                                   cu_seqlens_cpu=packing.cu_seqlens_cpu)
+            o, _ = chunk_kda(*(t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, f, b)),
+                             cu_seqlens=packing.cu_seqlens, chunk_size=self.chunk_size,
+                             cu_seqlens_cpu=packing.cu_seqlens_cpu, gate=gate)
             o = o.view(B, T, H, D)
         else:
-            o, _ = chunk_kda_gated(q, k, v, f, b, gate, chunk_size=self.chunk_size)
+            o, _ = chunk_kda(q, k, v, f, b, chunk_size=self.chunk_size, gate=gate)
         o = self.o_norm(o.to(x.dtype), self.g_proj(x).view(B, T, H, D))  # [B, T, H, D]
         return self.o_proj(o.reshape(B, T, H * D))

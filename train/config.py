@@ -194,10 +194,6 @@ def validate_job(job: JobConfig, world_size: int) -> JobConfig:
     bad = [t for t in p.targets if t not in known]
     _need(not bad, f"precision.targets has {bad}; choose from {list(known)}")
     _need(o.name in ("adamw", "muon"), f"optim.name={o.name!r}: use optim=adamw or optim=muon")
-    _need(o.name != "muon" or (job.parallel.tp == 1 and job.parallel.ep == 1),
-          f"optim=muon with parallel.tp={job.parallel.tp}, parallel.ep={job.parallel.ep}: Muon "
-          "runs over data and pipeline parallelism so far (tensor/expert parallel Muon is issue "
-          "#15); set parallel.tp=1 parallel.ep=1 or use optim=adamw")
     _need(0 <= o.momentum < 1, f"optim.momentum={o.momentum} must be in [0, 1)")
     _need(o.ns_steps > 0, f"optim.ns_steps={o.ns_steps} must be > 0")
     _need(o.qk_clip_tau is None or o.qk_clip_tau > 0,

@@ -24,9 +24,9 @@ together in one batched Newton-Schulz (no Python loop over heads or experts).
 
 `MuonAdamW` is one `torch.optim.Optimizer` over both (one state dict for DCP, one LR scheduler):
 its AdamW groups are driven by an inner `torch.optim.AdamW` (fused on CUDA) sharing the same
-group dicts and state. FSDP-sharded matrices are orthogonalised on the rank that holds whole
-blocks of them, or on one owner rank (`train.muon_dist`); tensor / expert parallel layouts are
-refused by `train.config.validate_job` (issue #15).
+group dicts and state. Sharded matrices are orthogonalised on the rank that holds whole blocks
+of them, on one owner rank (FSDP), or gathered (TP column sharding, 2-D sharding), see
+`train.muon_dist`; every layout equals one rank.
 """
 
 from __future__ import annotations
@@ -39,7 +39,14 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from train.muon_dist import OwnerExchange, row_ranges, shard_dim
+from train.muon_dist import (
+    OwnerExchange,
+    gather_full,
+    local_part,
+    needs_gather,
+    row_ranges,
+    shard_dim,
+)
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_EPS = 1e-7
@@ -195,8 +202,9 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _muon_step(self, group: dict) -> None:
         mu, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
-        local: list[tuple[torch.Tensor, Blocks, torch.Tensor]] = []
-        remote: dict[tuple, list] = defaultdict(list)
+        local: list[tuple[torch.Tensor, Blocks, torch.Tensor]] = []  # this rank's blocks
+        gathered: list[tuple[torch.Tensor, Blocks, torch.Tensor]] = []  # whole matrices
+        remote: dict[tuple, list] = defaultdict(list)  # owner exchange, by shard group
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -208,14 +216,17 @@ class MuonAdamW(torch.optim.Optimizer):
             update = p.grad.lerp(buf, mu) if group["nesterov"] else buf
             spec = self._blocks[p]
             dim = shard_dim(p)
-            if dim is None or _whole_blocks_per_rank(p, spec, dim):
+            if needs_gather(p):
+                gathered.append((p, spec, gather_full(update)))
+            elif dim is None or _whole_blocks_per_rank(p, spec, dim):
                 local.append((_local(p), spec, _local(update)))
             else:
                 remote[(id(p.device_mesh), dim)].append((p, spec, update))
-        deltas = self._deltas(group, [(spec, u) for _, spec, u in local])
-        for (p_local, _, _), d in zip(local, deltas):
+        deltas = self._deltas(group, [(spec, u) for _, spec, u in local + gathered])
+        for (p, _, _), d in zip(local + gathered, deltas):
+            p_local = p if not isinstance(p, DTensor) else p.to_local()
             p_local.mul_(1 - lr * wd)
-            p_local.sub_(d)
+            p_local.sub_(d if not isinstance(p, DTensor) else local_part(d, p))
         for items in remote.values():
             exchange = self._exchange(items)
             specs = [spec for _, spec, _ in items]

@@ -13,6 +13,12 @@ orthogonalises its own blocks with no communication. The others go to an owner:
 Split sizes come from shapes only, so nothing waits on data. Bytes moved per rank and step:
 twice (n - 1) / n of its rows of the owner-path matrices (`exchange_bytes`). Ranks that hold
 the same shards (HSDP replicas) repeat the same exchange in their own shard group.
+
+Any other placement (tensor parallelism's column sharding of output projections, FSDP x TP's
+2-D sharding, experts under EP x FSDP) takes the gather path: the update is all-gathered over
+the parameter's mesh (`gather_full`), orthogonalised on every rank of it alike, and each rank
+keeps its slice (`local_part`). Row-sharded TP matrices whose rows are whole heads (KDA q/k/v,
+MLA q and kv_b) and expert stacks split along the experts stay local.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 Tensor = torch.Tensor
 
@@ -35,18 +41,35 @@ def row_ranges(rows: int, n: int) -> list[tuple[int, int]]:
 
 
 def shard_dim(p: Tensor) -> int | None:
-    """The mesh dim a DTensor is sharded on along dim 0 (None: replicated or plain); raises for
-    any other placement (tensor parallelism, 2-D sharding), which Muon does not handle yet."""
+    """The mesh dim of a DTensor sharded along dim 0 on exactly one mesh dim (FSDP; TP's row
+    sharding); None for plain or replicated tensors and for any other placement (see
+    `needs_gather`)."""
     if not isinstance(p, DTensor):
         return None
     dims = [i for i, pl in enumerate(p.placements) if not pl.is_replicate()]
-    if not dims:
+    if len(dims) != 1:
         return None
     pl = p.placements[dims[0]]
-    if len(dims) > 1 or not (pl.is_shard() and pl.dim == 0):
-        raise NotImplementedError(f"Muon: parameter placements {p.placements} (one Shard(0) "
-                                  "over data ranks is supported)")
-    return dims[0]
+    return dims[0] if pl.is_shard() and pl.dim == 0 else None
+
+
+def needs_gather(p: Tensor) -> bool:
+    """A DTensor split some other way (TP's column sharding, FSDP x TP, experts under EP x
+    FSDP): its update is orthogonalised on the gathered matrix."""
+    return (isinstance(p, DTensor) and shard_dim(p) is None
+            and any(not pl.is_replicate() for pl in p.placements))
+
+
+def gather_full(t: Tensor) -> Tensor:
+    """The whole tensor of a DTensor on every rank of its mesh."""
+    return t.full_tensor()
+
+
+def local_part(full: Tensor, like: DTensor) -> Tensor:
+    """This rank's piece of `full` in `like`'s placements (a local slice, no communication)."""
+    mesh = like.device_mesh
+    rep = DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return rep.redistribute(mesh, like.placements).to_local()
 
 
 class OwnerExchange:

@@ -11,7 +11,7 @@ the fp32 copies of the same values. Per case: the backend used; relative errors 
 and ||d|| / ||ref||) of o, the per-document final states and the gradients of q, k, v, g, beta
 for one fixed random dO; forward and backward ms of both (best of 3 after a warm-up; "first_ms"
 is the first call: Triton compilation and autotuning). Case "gated" (what `KimiDeltaAttention`
-runs): `chunk_kda_gated` on the raw bf16 projections (q/k unnormalised, gate pre-activation f,
+runs): `chunk_kda(gate=)` on the raw bf16 projections (q/k unnormalised, gate pre-activation f,
 beta logits b; fp32 A_log / dt_bias), the prologue inside fla, against `kda_prologue` +
 `chunk_kda_reference` in fp32: errors of o and of dq, dk, dv, df, db, dA_log, ddt_bias, and ms
 against the unfused path (`kda_prologue` in PyTorch, then fla's plain `chunk_kda`). Prints one
@@ -31,7 +31,6 @@ import torch.nn.functional as F
 from model.ops.kda import (
     KDAGate,
     chunk_kda,
-    chunk_kda_gated,
     chunk_kda_reference,
     kda_backend,
     kda_gate,
@@ -81,7 +80,7 @@ def make_raw(lengths: list[int], H: int, D: int, dev: torch.device, seed: int = 
 
 
 def gated(q, k, v, f, b, A_log, dt_bias, **kw):
-    return chunk_kda_gated(q, k, v, f, b, KDAGate(A_log, dt_bias, -5.0), **kw)
+    return chunk_kda(q, k, v, f, b, gate=KDAGate(A_log, dt_bias, -5.0), **kw)
 
 
 def gated_reference(q, k, v, f, b, A_log, dt_bias, **kw):

@@ -15,7 +15,7 @@ the value, or because it is a reference path that the GPU never takes.
 from model.ops.attnres import attnres_mix, attnres_weights
 from model.ops.combine import weighted_combine
 from model.ops.grouped_gemm import grouped_mm
-from model.ops.kda import chunk_kda, chunk_kda_gated, recurrent_kda
+from model.ops.kda import chunk_kda, recurrent_kda
 from model.ops.mx import fake_quantize_mx, mx_dequantize, mx_quantize, pad_to_block
 from model.ops.rms_norm import gated_rms_norm, l2_norm, rms_norm
 from model.ops.short_conv import short_conv_silu
@@ -33,7 +33,7 @@ HOST_SYNC_OPS = {
 
 __all__ = [
     "HOST_SYNC_OPS",
-    "attnres_mix", "attnres_weights", "chunk_kda", "chunk_kda_gated", "fake_quantize_mx",
+    "attnres_mix", "attnres_weights", "chunk_kda", "fake_quantize_mx",
     "gated_rms_norm", "grouped_mm", "l2_norm", "mx_dequantize", "mx_quantize", "pad_to_block",
     "recurrent_kda", "rms_norm", "short_conv_silu", "situ_glu", "weighted_combine",
 ]

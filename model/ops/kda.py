@@ -1,8 +1,8 @@
 """Kimi Delta Attention (KDA) operator: public op, backend dispatch and PyTorch references.
 
 What it is for (design doc §1.1, §1.5-1.7):
-* ``chunk_kda_gated``: the op the layer calls, from raw projections (q/k before their L2 norm,
-  the gate pre-activation, beta's logits, ``KDAGate``). On CUDA with ``fla`` importable (or
+* ``chunk_kda(..., gate=KDAGate)``: the op the layer calls, from raw projections (q/k before
+  their L2 norm, the gate pre-activation, beta's logits). On CUDA with ``fla`` importable (or
   whenever ``model.ops.backends.force_cuda_backends()`` is active) it runs fla's ``chunk_kda``
   with the prologue inside fla (q/k L2 norm, gate activation fused with the chunk cumsum,
   beta's sigmoid; ``safe_gate`` + ``lower_bound`` for K3's bounded gate) through the
@@ -10,7 +10,8 @@ What it is for (design doc §1.1, §1.5-1.7):
   node each in fake-tensor traces and torch.compile. An fla too old for that (< 0.5.2) gets the
   prologue from ``kda_prologue`` inside the op. Everywhere else (CPU CI, no Triton, or
   ``K3_KDA_BACKEND=torch``) it runs ``kda_prologue`` then ``chunk_kda_reference``.
-* ``chunk_kda``: the same dispatch for activated inputs (fla's plain semantics).
+* ``chunk_kda`` without ``gate``: the same dispatch for activated inputs (fla's plain
+  semantics).
 * ``chunk_kda_reference``: the chunkwise WY/UT-transform algorithm in pure PyTorch (float32, or
   float64 for float64 inputs), differentiable by autograd, with Python loops over chunks and
   the log2(chunk) levels of its intra-chunk blocks only (static counts, never over tokens).
@@ -57,8 +58,8 @@ from model.ops.rms_norm import l2_norm
 Tensor = torch.Tensor
 KDAOut = tuple[Tensor, Tensor | None]
 
-__all__ = ["KDAGate", "chunk_kda", "chunk_kda_gated", "chunk_kda_reference", "kda_backend",
-           "kda_gate", "kda_prologue", "recurrent_kda"]
+__all__ = ["KDAGate", "chunk_kda", "chunk_kda_reference", "kda_backend", "kda_gate",
+           "kda_prologue", "recurrent_kda"]
 
 
 # ----------------------------------------------------------------------------- backend dispatch
@@ -144,36 +145,6 @@ def _kda_choice(device: torch.device) -> str:
     return "fla" if usable else "torch"
 
 
-def chunk_kda(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    scale: float | None = None,
-    initial_state: Tensor | None = None,
-    output_final_state: bool = False,
-    cu_seqlens: Tensor | None = None,
-    chunk_size: int = 64,
-    cu_seqlens_cpu: Tensor | None = None,
-) -> KDAOut:
-    """Public KDA op (fla-compatible plain semantics).
-
-    Returns (o [B, T, H, V] in v's dtype, final_state [N, H, K, V] fp32 (fp64 for fp64 inputs
-    on the reference) or None). ``chunk_size``: the reference's chunk; fla gets it where it
-    takes one (>= 0.5.1, 32 or 64 only; otherwise fla tiles by 64: the result is the same up to
-    rounding). ``cu_seqlens_cpu``: optional host copy of ``cu_seqlens`` for fla (>= 0.4.2), so it
-    builds its chunk indices without reading the device tensor; the reference ignores it.
-    """
-    if kda_backend(q.device) == "fla":
-        return _chunk_kda_fla(q, k, v, g, beta, scale, initial_state, output_final_state,
-                              cu_seqlens, chunk_size, cu_seqlens_cpu)
-    return chunk_kda_reference(
-        q, k, v, g, beta, scale=scale, initial_state=initial_state,
-        output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
-    )
-
-
 class KDAGate(NamedTuple):
     """The gate parameters of one KDA layer: A_log [H], dt_bias [H*K], the lower bound (K3's
     -5; None: Kimi Linear's unbounded softplus gate)."""
@@ -204,32 +175,41 @@ def kda_prologue(q: Tensor, k: Tensor, f: Tensor, b: Tensor, gate: KDAGate
     return l2_norm(q), l2_norm(k), g, torch.sigmoid(b.to(g.dtype))
 
 
-def chunk_kda_gated(
+def chunk_kda(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    f: Tensor,
-    b: Tensor,
-    gate: KDAGate,
+    g: Tensor,
+    beta: Tensor,
     scale: float | None = None,
     initial_state: Tensor | None = None,
     output_final_state: bool = False,
     cu_seqlens: Tensor | None = None,
     chunk_size: int = 64,
     cu_seqlens_cpu: Tensor | None = None,
+    gate: KDAGate | None = None,
 ) -> KDAOut:
-    """KDA from the layer's raw projections: q, k [B, T, H, K] before their L2 norm, f [B, T,
-    H, K] the gate pre-activation, b [B, T, H] beta's logits.
+    """Public KDA op (fla-compatible semantics).
 
-    On the fla backend the prologue goes to fla with the recurrence (``k3::chunk_kda_fla`` with
-    ``gate_in_kernel``: fla's ``use_qk_l2norm_in_kernel``, ``use_gate_in_kernel`` with A_log and
-    dt_bias, ``use_beta_sigmoid_in_kernel``, and ``safe_gate`` with ``lower_bound`` for K3's
-    bounded gate), so the fp32 gate tensor is never written; fla's gradients reach A_log and
-    dt_bias. Elsewhere ``kda_prologue`` then ``chunk_kda_reference``: the same function."""
+    Returns (o [B, T, H, V] in v's dtype, final_state [N, H, K, V] fp32 (fp64 for fp64 inputs
+    on the reference) or None). ``chunk_size``: the reference's chunk; fla gets it where it
+    takes one (>= 0.5.1, 32 or 64 only; otherwise fla tiles by 64: the result is the same up to
+    rounding). ``cu_seqlens_cpu``: optional host copy of ``cu_seqlens`` for fla (>= 0.4.2), so it
+    builds its chunk indices without reading the device tensor; the reference ignores it.
+
+    ``gate`` (what the layer passes): q and k are taken before their L2 norm, g is the gate
+    pre-activation [B, T, H, K] and beta the logits [B, T, H]. On the fla backend the prologue
+    then goes to fla with the recurrence (``k3::chunk_kda_fla`` with ``gate_in_kernel``: fla's
+    ``use_qk_l2norm_in_kernel``, ``use_gate_in_kernel`` with A_log and dt_bias,
+    ``use_beta_sigmoid_in_kernel``, and ``safe_gate`` with ``lower_bound`` for K3's bounded
+    gate), so the fp32 gate tensor is never written and fla's gradients reach A_log and
+    dt_bias; elsewhere ``kda_prologue`` runs first.
+    """
     if kda_backend(q.device) == "fla":
-        return _chunk_kda_fla(q, k, v, f, b, scale, initial_state, output_final_state,
-                              cu_seqlens, chunk_size, cu_seqlens_cpu, gate=gate)
-    q, k, g, beta = kda_prologue(q, k, f, b, gate)
+        return _chunk_kda_fla(q, k, v, g, beta, scale, initial_state, output_final_state,
+                              cu_seqlens, chunk_size, cu_seqlens_cpu, gate)
+    if gate is not None:
+        q, k, g, beta = kda_prologue(q, k, g, beta, gate)
     return chunk_kda_reference(
         q, k, v, g, beta, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
@@ -325,7 +305,7 @@ def _fla_fwd_op(
 ) -> tuple[Tensor, Tensor]:
     """fla chunk_kda forward: (o in v's dtype, final state fp32 [N, H, K, V], or [0] if not
     requested). The real implementation imports fla lazily (this op exists on every machine).
-    ``gate_in_kernel``: q/k raw, g the gate pre-activation, beta logits (``chunk_kda_gated``)."""
+    ``gate_in_kernel``: q/k raw, g the gate pre-activation, beta logits (``chunk_kda(gate=)``)."""
     with torch.no_grad():
         o, ht = _call_fla(q, k, v, g, beta, h0, cu_seqlens, cu_seqlens_cpu, scale,
                           output_final_state, chunk_size, A_log, dt_bias, lower_bound,

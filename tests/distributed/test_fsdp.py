@@ -11,19 +11,9 @@ def _sharded_equals_single_device(rank: int, world: int) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from model.build import build_model
-    from model.init import init_weights
-    from parallel.dims import ParallelDims
-    from parallel.fsdp import apply_fsdp, dtensor_writer
-    from train.config import ParallelConfig
+    from tests.helpers.tiny import fsdp_debug_pair
 
-    dims = ParallelDims.from_config(ParallelConfig(), world)
-    mesh = dims.build_meshes("cpu").dp
-    sharded = build_model("debug", device="meta")
-    apply_fsdp(sharded, mesh)
-    sharded.to_empty(device="cpu")
-    init_weights(sharded, seed=5, write=dtensor_writer)
-    ref = build_model("debug", seed=5)
+    sharded, ref = fsdp_debug_pair(world)
     ref_params = dict(ref.named_parameters())
     n_sharded = 0
     for name, p in sharded.named_parameters():

@@ -13,20 +13,10 @@ def _muon_sharded_equals_single_device(rank: int, world: int) -> None:
     import torch
     from torch.distributed.tensor import distribute_tensor
 
-    from model.build import build_model
-    from model.init import init_weights
-    from parallel.dims import ParallelDims
-    from parallel.fsdp import apply_fsdp, dtensor_writer
-    from train.config import ParallelConfig
+    from tests.helpers.tiny import fsdp_debug_pair
     from train.muon import MuonAdamW, muon_blocks
 
-    dims = ParallelDims.from_config(ParallelConfig(), world)
-    mesh = dims.build_meshes("cpu").dp
-    sharded = build_model("debug", device="meta")
-    apply_fsdp(sharded, mesh)
-    sharded.to_empty(device="cpu")
-    init_weights(sharded, seed=5, write=dtensor_writer)
-    ref = build_model("debug", seed=5)
+    sharded, ref = fsdp_debug_pair(world)
     opt = MuonAdamW(sharded, lr=0.02, weight_decay=0.1)
     opt_ref = MuonAdamW(ref, lr=0.02, weight_decay=0.1)
     ref_params = dict(ref.named_parameters())

@@ -1,9 +1,9 @@
 """End-to-end `optim=muon` (Per-Head Muon + AdamW, QK-Clip at tau=100) under the real launcher:
 the loss falls, QK-Clip's metrics are logged every step, a run stopped at step 8 and resumed
 by the same command repeats the straight run's losses bit for bit (Muon's momentum and AdamW's
-moments through DCP), FSDP and pipeline layouts equal one rank (fp64), a one-rank checkpoint
-resumes on FSDP over 2 ranks with the same losses, and tensor parallelism is refused with a
-one-line error."""
+moments through DCP), FSDP, pipeline, tensor and expert parallel layouts equal one rank
+(fp64, QK-Clip active), and a one-rank checkpoint resumes on FSDP over 2 ranks with the same
+losses."""
 
 from __future__ import annotations
 
@@ -22,7 +22,10 @@ from tests.helpers.runs import (
 STEPS = ["optim=muon", "train.steps=12", "checkpoint.interval=4"]
 
 
-FP64 = ["optim=muon", "train.steps=3", "checkpoint.interval=3", "cluster.param_dtype=fp64"]
+# fp64 verification runs; tau 2 makes QK-Clip rescale heads every step (the debug model's
+# logit bounds are ~3-6), so the layouts check it too
+FP64 = ["optim=muon", "train.steps=3", "checkpoint.interval=3", "cluster.param_dtype=fp64",
+        "optim.qk_clip_tau=2.0"]
 
 
 @pytest.fixture(scope="module")
@@ -53,22 +56,20 @@ def test_muon_resume_is_bit_identical(runs):
         assert b[s] == a[s], (s, a[s], b[s])
 
 
-def test_muon_with_tensor_parallelism_is_refused(tmp_path):
-    r = pretrain(tmp_path / "tp", *STEPS, "parallel.tp=2", nproc=2, check=False)
-    assert r.returncode != 0 and "optim=muon with parallel.tp=2" in r.stderr  # torchrun: 1
-    assert not (tmp_path / "tp" / "checkpoints").exists()
-
-
-@pytest.mark.parametrize("layout", [["parallel.dp_shard=2"], ["parallel.pp=2"]])
-def test_muon_fsdp_and_pipeline_equal_one_rank(runs, tmp_path, layout):
-    """fp64 verification mode, 3 steps: losses, gradient norms and parameters of 2 ranks
-    (FSDP over 2, or 2 pipeline stages) equal one rank's."""
+@pytest.mark.parametrize("layout", [["parallel.dp_shard=2"], ["parallel.pp=2"],
+                                    ["parallel.tp=2"], ["parallel.ep=2"]])
+def test_muon_layouts_equal_one_rank(runs, tmp_path, layout):
+    """fp64 verification mode, 3 steps: losses, gradient norms, QK-Clip's clipped heads and
+    parameters of 2 ranks (FSDP over 2: the owner exchange; 2 pipeline stages; tensor parallel
+    2: per-head blocks local, column-sharded matrices gathered; expert parallel 2) equal one
+    rank's."""
     one, two = runs["one"], tmp_path / "two"
     pretrain(two, *FP64, *layout, nproc=2)
     ref, got = metrics(one), metrics(two)
     for r, g in zip(ref, got, strict=True):
         assert abs(g["loss"] - r["loss"]) <= 1e-9 * abs(r["loss"]), (r, g)
         assert abs(g["grad_norm"] - r["grad_norm"]) <= 1e-6 * r["grad_norm"], (r, g)
+        assert g["qk_clipped_heads"] == r["qk_clipped_heads"] > 0
     assert len(assert_parameters_equal(one, two, 3)) > 50
 
 

@@ -31,3 +31,19 @@ def packed_batch(batch: int = 2, seq: int = 64, seed: int = 0, vocab: int = 512)
     flat = labels.flatten()
     flat[cu[1:].long() - 1] = -100  # no target across a document end
     return ids, flat.view(batch, seq), cu
+
+
+def fsdp_debug_pair(world: int, seed: int = 5):
+    """(the debug model FSDP2-sharded over `world` data ranks, the same model on one device),
+    initialised alike; call inside a process group of `world` ranks."""
+    from model.init import init_weights
+    from parallel.dims import ParallelDims
+    from parallel.fsdp import apply_fsdp, dtensor_writer
+    from train.config import ParallelConfig
+
+    mesh = ParallelDims.from_config(ParallelConfig(), world).build_meshes("cpu").dp
+    sharded = build_model("debug", device="meta")
+    apply_fsdp(sharded, mesh)
+    sharded.to_empty(device="cpu")
+    init_weights(sharded, seed=seed, write=dtensor_writer)
+    return sharded, build_model("debug", seed=seed)

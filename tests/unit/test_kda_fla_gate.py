@@ -1,4 +1,4 @@
-"""KDA's prologue inside fla's kernel (`chunk_kda_gated` -> `k3::chunk_kda_fla` with
+"""KDA's prologue inside fla's kernel (`chunk_kda(gate=)` -> `k3::chunk_kda_fla` with
 `gate_in_kernel`), proven on CPU by argument capture.
 
 fla's kernels do not run on CPU, its references do. A stand-in for fla's `chunk_kda` binds each
@@ -23,7 +23,7 @@ from fla.ops.kda.naive import naive_recurrent_kda
 
 import model.ops.kda as kda_mod
 from model.ops.backends import force_cuda_backends
-from model.ops.kda import KDAGate, chunk_kda_gated
+from model.ops.kda import KDAGate, chunk_kda
 
 H, K, V = 2, 8, 4
 
@@ -125,9 +125,9 @@ def inputs(packed: bool, dtype=torch.float32, seed: int = 0) -> tuple[dict, dict
 
 def run(leaves: dict, lower_bound, kw: dict):
     gate = KDAGate(leaves["A_log"], leaves["dt_bias"], lower_bound)
-    return chunk_kda_gated(leaves["q"], leaves["k"], leaves["v"], leaves["f"], leaves["b"], gate,
-                           scale=0.4, initial_state=leaves["h0"], output_final_state=True,
-                           chunk_size=16, **kw)
+    return chunk_kda(leaves["q"], leaves["k"], leaves["v"], leaves["f"], leaves["b"], scale=0.4,
+                     initial_state=leaves["h0"], output_final_state=True, chunk_size=16,
+                     gate=gate, **kw)
 
 
 def fla_vs_reference(monkeypatch, signature_of, lower_bound, packed: bool):

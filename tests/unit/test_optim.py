@@ -76,3 +76,15 @@ def test_clip_folded_into_fused_adamw_matches_scaling_the_gradients(max_norm):
     assert moved > 0.05  # the step did something
     assert not takes_grad_scale(torch.optim.AdamW(
         [torch.nn.Parameter(torch.zeros(2))], fused=False))
+
+
+@pytest.mark.parametrize("recipe, hidden", [("k3_small", 2048), ("k3", 7168)])
+def test_recipes_are_the_presets_with_muon(recipe, hidden):
+    """`+recipe=<preset>` composes the model preset with optim=muon (QK-Clip at 100), and
+    validates; the preset alone keeps AdamW."""
+    from launch.pretrain import load_job
+
+    job = load_job(["+cluster=local_cpu", f"+recipe={recipe}"], 1)
+    assert (job.model.hidden_size, job.optim.name, job.optim.qk_clip_tau) == (hidden, "muon",
+                                                                              100.0)
+    assert load_job(["+cluster=local_cpu", f"model={recipe}"], 1).optim.name == "adamw"
