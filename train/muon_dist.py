@@ -44,20 +44,26 @@ def shard_dim(p: Tensor) -> int | None:
     """The mesh dim of a DTensor sharded along dim 0 on exactly one mesh dim (FSDP; TP's row
     sharding); None for plain or replicated tensors and for any other placement (see
     `needs_gather`)."""
-    if not isinstance(p, DTensor):
-        return None
-    dims = [i for i, pl in enumerate(p.placements) if not pl.is_replicate()]
+    dims = _split_dims(p)
     if len(dims) != 1:
         return None
     pl = p.placements[dims[0]]
     return dims[0] if pl.is_shard() and pl.dim == 0 else None
 
 
+def _split_dims(p: Tensor) -> list[int]:
+    """Mesh dims that really split a DTensor: not replicated, more than one rank (FSDP over a
+    single data rank wraps TP's parameters in a size-1 Shard(0) that splits nothing)."""
+    if not isinstance(p, DTensor):
+        return []
+    return [i for i, pl in enumerate(p.placements)
+            if not pl.is_replicate() and p.device_mesh.size(i) > 1]
+
+
 def needs_gather(p: Tensor) -> bool:
     """A DTensor split some other way (TP's column sharding, FSDP x TP, experts under EP x
     FSDP): its update is orthogonalised on the gathered matrix."""
-    return (isinstance(p, DTensor) and shard_dim(p) is None
-            and any(not pl.is_replicate() for pl in p.placements))
+    return bool(_split_dims(p)) and shard_dim(p) is None
 
 
 def gather_full(t: Tensor) -> Tensor:

@@ -1,4 +1,5 @@
 import math
+import re
 
 import pytest
 
@@ -88,3 +89,16 @@ def test_recipes_are_the_presets_with_muon(recipe, hidden):
     assert (job.model.hidden_size, job.optim.name, job.optim.qk_clip_tau) == (hidden, "muon",
                                                                               100.0)
     assert load_job(["+cluster=local_cpu", f"model={recipe}"], 1).optim.name == "adamw"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("optim.ns_steps=0", "optim.ns_steps=0 must be > 0"),
+    ("optim.momentum=1.5", "optim.momentum=1.5 must be in [0, 1)"),
+    ("optim.qk_clip_tau=-1", "optim.qk_clip_tau=-1.0 must be > 0, or null"),
+    ("optim.name=sgd", "optim.name='sgd': use optim=adamw or optim=muon")])
+def test_bad_muon_settings_are_one_line(override, message):
+    from launch.pretrain import load_job
+    from model.config import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_job(["+cluster=local_cpu", "optim=muon", override], 1)
