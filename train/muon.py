@@ -41,7 +41,6 @@ from torch.distributed.tensor import DTensor
 
 from train.muon_dist import (
     OwnerExchange,
-    gather_full,
     local_part,
     needs_gather,
     row_ranges,
@@ -217,7 +216,7 @@ class MuonAdamW(torch.optim.Optimizer):
             spec = self._blocks[p]
             dim = shard_dim(p)
             if needs_gather(p):
-                gathered.append((p, spec, gather_full(update)))
+                gathered.append((p, spec, update.full_tensor()))
             elif dim is None or _whole_blocks_per_rank(p, spec, dim):
                 local.append((_local(p), spec, _local(update)))
             else:

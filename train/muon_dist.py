@@ -16,9 +16,9 @@ the same shards (HSDP replicas) repeat the same exchange in their own shard grou
 
 Any other placement (tensor parallelism's column sharding of output projections, FSDP x TP's
 2-D sharding, experts under EP x FSDP) takes the gather path: the update is all-gathered over
-the parameter's mesh (`gather_full`), orthogonalised on every rank of it alike, and each rank
-keeps its slice (`local_part`). Row-sharded TP matrices whose rows are whole heads (KDA q/k/v,
-MLA q and kv_b) and expert stacks split along the experts stay local.
+the parameter's mesh (`DTensor.full_tensor`), orthogonalised on every rank of it alike, and
+each rank keeps its slice (`local_part`). Row-sharded TP matrices whose rows are whole heads
+(KDA q/k/v, MLA q and kv_b) and expert stacks split along the experts stay local.
 """
 
 from __future__ import annotations
@@ -64,11 +64,6 @@ def needs_gather(p: Tensor) -> bool:
     """A DTensor split some other way (TP's column sharding, FSDP x TP, experts under EP x
     FSDP): its update is orthogonalised on the gathered matrix."""
     return bool(_split_dims(p)) and shard_dim(p) is None
-
-
-def gather_full(t: Tensor) -> Tensor:
-    """The whole tensor of a DTensor on every rank of its mesh."""
-    return t.full_tensor()
 
 
 def local_part(full: Tensor, like: DTensor) -> Tensor:

@@ -24,6 +24,7 @@ from fla.ops.kda.naive import naive_recurrent_kda
 import model.ops.kda as kda_mod
 from model.ops.backends import force_cuda_backends
 from model.ops.kda import KDAGate, chunk_kda
+from tests.helpers.fla import bind_as
 
 H, K, V = 2, 8, 4
 
@@ -69,10 +70,7 @@ def make_stand_in(signature_of, calls: list[dict]):
     sig = inspect.signature(signature_of)
 
     def stand_in(*args, **kwargs):
-        bound = sig.bind(*args, **kwargs)  # raises on an argument fla does not take
-        bound.apply_defaults()
-        a = dict(bound.arguments)
-        extra = a.pop("kwargs", {})
+        a, extra = bind_as(sig, args, kwargs)  # raises on an argument fla does not take
         gated = a.get("use_gate_in_kernel", False)
         assert set(extra) <= {"chunk_size", "A_log", "dt_bias"}, extra
         if gated:  # the whole prologue, as the layer's math needs it

@@ -14,6 +14,7 @@ import model.ops.kda as kda_mod
 from model.ops.backends import force_cuda_backends
 from model.ops.kda import chunk_kda, chunk_kda_reference, kda_backend, recurrent_kda
 from model.packing import check_cu_seqlens
+from tests.helpers.fla import bind_as
 from train.host_syncs import HostSyncCounter
 
 F64 = torch.float64
@@ -425,10 +426,7 @@ def make_fla_stand_in(signature_of, calls: list[dict]):
     sig = inspect.signature(signature_of)
 
     def stand_in(*args, **kwargs):
-        bound = sig.bind(*args, **kwargs)  # raises on an argument fla does not take
-        bound.apply_defaults()
-        a = dict(bound.arguments)
-        extra = a.pop("kwargs", {})
+        a, extra = bind_as(sig, args, kwargs)  # raises on an argument fla does not take
         q, v, cu, h0 = a["q"], a["v"], a["cu_seqlens"], a["initial_state"]
         assert set(extra) <= {"chunk_size"}, extra
         assert extra.get("chunk_size", 64) in (32, 64)
