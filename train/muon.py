@@ -25,8 +25,8 @@ together in one batched Newton-Schulz (no Python loop over heads or experts).
 `MuonAdamW` is one `torch.optim.Optimizer` over both (one state dict for DCP, one LR scheduler):
 its AdamW groups are driven by an inner `torch.optim.AdamW` (fused on CUDA) sharing the same
 group dicts and state. Sharded matrices are orthogonalised on the rank that holds whole blocks
-of them, on one owner rank (FSDP), or gathered (TP column sharding, 2-D sharding), see
-`train.muon_dist`; every layout equals one rank.
+of them, or on one owner rank per TP shard group (FSDP, FSDP x TP), see `train.muon_dist`;
+every layout equals one rank.
 """
 
 from __future__ import annotations
@@ -41,10 +41,11 @@ from torch.distributed.tensor import DTensor
 
 from train.muon_dist import (
     OwnerExchange,
+    Route,
+    gather_inner,
+    inner_part,
     local_part,
-    needs_gather,
-    row_ranges,
-    shard_dim,
+    route,
 )
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -214,13 +215,13 @@ class MuonAdamW(torch.optim.Optimizer):
             buf.lerp_(p.grad, 1 - mu)
             update = p.grad.lerp(buf, mu) if group["nesterov"] else buf
             spec = self._blocks[p]
-            dim = shard_dim(p)
-            if needs_gather(p):
+            r = route(p, _tile(p, spec))
+            if r.kind == "gather":
                 gathered.append((p, spec, update.full_tensor()))
-            elif dim is None or _whole_blocks_per_rank(p, spec, dim):
+            elif r.kind == "local":
                 local.append((_local(p), spec, _local(update)))
             else:
-                remote[(id(p.device_mesh), dim)].append((p, spec, update))
+                remote[(p.device_mesh, r.outer)].append((p, spec, update, r))
         deltas = self._deltas(group, [(spec, u) for _, spec, u in local + gathered])
         for (p, _, _), d in zip(local + gathered, deltas):
             p_local = p if not isinstance(p, DTensor) else p.to_local()
@@ -228,13 +229,31 @@ class MuonAdamW(torch.optim.Optimizer):
             p_local.sub_(d if not isinstance(p, DTensor) else local_part(d, p))
         for items in remote.values():
             exchange = self._exchange(items)
-            specs = [spec for _, spec, _ in items]
-            rows = exchange.step([u.to_local() for _, _, u in items], lambda idx, full, s=specs: (
-                self._deltas(group, [(s[i], f) for i, f in zip(idx, full)])))
-            for (p, _, _), d in zip(items, rows):
+            rows = exchange.step([u.to_local() for _, _, u, _ in items],
+                                 lambda idx, full, items=items: self._owned(group, items, idx,
+                                                                            full))
+            for (p, _, _, _), d in zip(items, rows):
                 p_local = p.to_local()
                 p_local.mul_(1 - lr * wd)
                 p_local.sub_(d)
+
+    def _owned(self, group: dict, items: list, idx: list[int], full: list[torch.Tensor]
+               ) -> list[torch.Tensor]:
+        """The deltas of the matrices this rank owns (`full`: their assembled shards); those
+        TP also splits are first joined over tp with the other tp ranks' owners of them."""
+        mesh = items[0][0].device_mesh
+        joined = [j for j, i in enumerate(idx) if items[i][3].inner is not None]
+        if joined:
+            r0 = items[idx[joined[0]]][3]
+            whole = gather_inner([full[j] for j in joined], mesh, r0.inner,
+                                 [items[idx[j]][3].inner_dim for j in joined])
+            for j, w in zip(joined, whole):
+                full[j] = w
+        deltas = self._deltas(group, [(items[i][1], f) for i, f in zip(idx, full)])
+        for j in joined:
+            r = items[idx[j]][3]
+            deltas[j] = inner_part(deltas[j], mesh, r.inner, r.inner_dim)
+        return deltas
 
     def _deltas(self, group: dict, items: list[tuple[Blocks, torch.Tensor]]
                 ) -> list[torch.Tensor]:
@@ -257,20 +276,25 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _exchange(self, items: list) -> OwnerExchange:
         """The owner plan of these sharded matrices (made once: shapes never change)."""
-        key = tuple(id(p) for p, _, _ in items)
+        key = tuple(id(it[0]) for it in items)
         if key not in self._exchanges:
-            self._exchanges[key] = owner_exchange([(p, spec) for p, spec, _ in items])
+            self._exchanges[key] = owner_exchange([(p, spec, r) for p, spec, _, r in items])
         return self._exchanges[key]
 
 
-def owner_exchange(items: list[tuple[torch.Tensor, Blocks]]) -> OwnerExchange:
-    """The owner plan of sharded matrices on one mesh dim, owners balanced by NS FLOPs."""
-    p0 = items[0][0]
-    group = p0.device_mesh.get_group(shard_dim(p0))
-    costs = [sum(ns_flops(*part.shape[-2:]) * part.shape[0]
-                 for part in spec.views(torch.empty(p.shape, device="meta")))
-             for p, spec in items]
-    return OwnerExchange(group, [p.shape for p, _ in items], costs)
+def owner_exchange(items: list[tuple[torch.Tensor, Blocks, Route]]) -> OwnerExchange:
+    """The owner plan of matrices exchanged over one mesh dim, owners balanced by the FLOPs of
+    the Newton-Schulz they run (of the whole matrix where the owners join TP's shards)."""
+    p0, _, r0 = items[0]
+    group = p0.device_mesh.get_group(r0.outer)
+    costs, sends = [], []
+    for p, spec, r in items:
+        shape = p.shape if r.inner is not None else r.shape
+        costs.append(sum(ns_flops(*part.shape[-2:]) * part.shape[0]
+                         for part in spec.views(torch.empty(shape, device="meta"))))
+        sends.append(0 if r.inner is None else
+                     math.prod(r.shape) * (p.device_mesh.size(r.inner) - 1))
+    return OwnerExchange(group, [r.shape for _, _, r in items], costs, sends)
 
 
 def exchange_plans(model: nn.Module) -> list[OwnerExchange]:
@@ -280,9 +304,9 @@ def exchange_plans(model: nn.Module) -> list[OwnerExchange]:
     for name, p in model.named_parameters():
         if name not in blocks:
             continue
-        dim = shard_dim(p)
-        if dim is not None and not _whole_blocks_per_rank(p, blocks[name], dim):
-            groups[(id(p.device_mesh), dim)].append((p, blocks[name]))
+        r = route(p, _tile(p, blocks[name]))
+        if r.kind == "owner":
+            groups[(p.device_mesh, r.outer)].append((p, blocks[name], r))
     return [owner_exchange(items) for items in groups.values()]
 
 
@@ -290,14 +314,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _whole_blocks_per_rank(p: torch.Tensor, spec: Blocks, dim: int) -> bool:
-    """Whether every rank's rows of p are whole Muon blocks (no exchange needed)."""
-    rows = p.shape[0]
-    if p.ndim == 3:  # an expert stack split along the experts
-        return True
-    per = rows if spec.rows is None else sum(spec.rows)
-    return all(a % per == 0 and b % per == 0
-               for a, b in row_ranges(rows, p.device_mesh.size(dim)))
+def _tile(p: torch.Tensor, spec: Blocks) -> int:
+    """Dim-0 entries of one Muon block of p: 1 expert of a stack, else its block rows."""
+    if p.ndim == 3:
+        return 1
+    return p.shape[0] if spec.rows is None else sum(spec.rows)
 
 
 def ns_flops(rows: int, cols: int, steps: int = 5) -> int:

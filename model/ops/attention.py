@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from model.ops.backends import cuda_backends_forced
+from model.ops.backends import compile_constant, cuda_backends_forced
 from model.packing import Packing
 
 Tensor = torch.Tensor
@@ -60,7 +60,7 @@ def attention_backend(device: torch.device | str, dtype: torch.dtype) -> str:
     return _attention_choice(torch.device(device).type, dtype, cuda_backends_forced())
 
 
-@torch.compiler.assume_constant_result
+@compile_constant
 def _attention_choice(device_type: str, dtype: torch.dtype, forced: bool) -> str:
     """`attention_backend` from constants. torch.compile calls it while tracing and keeps the
     answer (no guard on the environment; `forced`, device and dtype are guarded by the caller's

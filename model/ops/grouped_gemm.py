@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from model.ops.backends import cuda_backends_forced
+from model.ops.backends import compile_constant, cuda_backends_forced
 from model.ops.token_groups import TokenGroups
 
 
@@ -29,7 +29,7 @@ def grouped_mm_backend(x: torch.Tensor, w: torch.Tensor) -> str:
     return _grouped_mm_choice(x.device, x.dtype, aligned, cuda_backends_forced())
 
 
-@torch.compiler.assume_constant_result
+@compile_constant
 def _grouped_mm_choice(device: torch.device, dtype: torch.dtype, aligned: bool,
                        forced_cuda: bool) -> str:
     """`grouped_mm_backend` from constants. torch.compile calls it while tracing and keeps the

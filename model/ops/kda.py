@@ -52,7 +52,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from model.ops.backends import cuda_backends_forced
+from model.ops.backends import compile_constant, cuda_backends_forced
 from model.ops.rms_norm import l2_norm
 
 Tensor = torch.Tensor
@@ -129,7 +129,7 @@ def kda_backend(device: torch.device | str) -> str:
     return _kda_choice(torch.device(device))
 
 
-@torch.compiler.assume_constant_result
+@compile_constant
 def _kda_choice(device: torch.device) -> str:
     """``kda_backend`` without forcing, from a constant device. torch.compile calls it while
     tracing and keeps the answer (the device is guarded by the caller's inputs; the environment

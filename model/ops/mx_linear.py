@@ -34,6 +34,7 @@ import os
 import torch
 
 from model.ops import mx_native
+from model.ops.backends import compile_constant
 from model.ops.grouped_gemm import grouped_mm, grouped_mm_backend, grouped_mm_wgrad
 from model.ops.mx import BLOCK_SIZE, MODES, fake_quantize_mx, pad_to_block
 from model.ops.token_groups import TokenGroups
@@ -116,7 +117,7 @@ def _backend_for(device_type: str, index: int | None, grouped: bool) -> str:
     return "emulated"
 
 
-@torch.compiler.assume_constant_result  # compiled graphs take the (cached) choice as a constant
+@compile_constant  # compiled graphs take the (cached) choice as a constant
 def mx_backend(device: torch.device | str, grouped: bool = False) -> str:
     """"native" on CUDA SM100+ when torch has the block-scaled kernel and a one-time probe
     (`probe_native`) agrees with the emulation, else "emulated"; logged once per device and GEMM

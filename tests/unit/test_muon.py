@@ -166,3 +166,73 @@ def test_state_dict_round_trip_continues_identically():
         opt.step()
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.equal(p, q)
+
+
+_ROUTES = """
+import json, sys
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from launch.pretrain import load_job
+from parallel.dims import ParallelDims
+from parallel.parallelize import shard_on_meta
+from train.muon import _tile, exchange_plans, muon_blocks
+from train.muon_dist import route
+
+out = {}
+for argv in json.loads(sys.argv[1]):
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    job = load_job(["+cluster=local_cpu", "optim=muon", *argv], 4)
+    dims = ParallelDims.from_config(job.parallel, 4)
+    model = shard_on_meta(job, dims, dims.build_meshes("cpu"), 0, log=lambda m: None)[0].model
+    blocks = muon_blocks(model)
+    routes = {}
+    for name, p in model.named_parameters():
+        if name in blocks:
+            r = route(p, _tile(p, blocks[name]))
+            routes[name] = [r.kind, r.inner is not None]
+    plans = exchange_plans(model)
+    out[" ".join(argv)] = {"routes": routes, "groups": len(plans),
+                           "bytes": sum(e.exchange_bytes(4) for e in plans)}
+    dist.destroy_process_group()
+print(json.dumps(out))
+"""
+
+
+def test_sharded_routes_gather_no_whole_model():
+    """On 4 ranks (a fake process group, the layouts built as training builds them): per-head
+    blocks and experts stay where they live; under tp 2 x dp 2 the whole matrices TP splits
+    go to owners that join only TP's shards, nothing is gathered over the whole mesh and all
+    exchanges of a mesh are one (module docstring of `train.muon_dist`)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    layouts = [["parallel.tp=2", "parallel.dp_shard=2"], ["parallel.dp_shard=4", "parallel.ep=2"],
+               ["parallel.tp=4"]]
+    res = subprocess.run([sys.executable, "-c", _ROUTES, json.dumps(layouts)],
+                         capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.splitlines()[-1])
+
+    def kinds(layout: str, suffix: str) -> set:
+        return {tuple(v) for k, v in got[layout]["routes"].items() if k.endswith(suffix)}
+
+    tp_dp = "parallel.tp=2 parallel.dp_shard=2"
+    for per_head in ("q_proj.weight", "k_proj.weight", "v_proj.weight", "kv_b_proj.weight",
+                     "experts.w1", "experts.w2"):
+        assert kinds(tp_dp, per_head) == {("local", False)}, per_head
+    for tp_split in ("o_proj.weight", "g_proj.weight", "mlp.down_proj.weight",
+                     "shared_experts.up_proj.weight"):
+        assert kinds(tp_dp, tp_split) == {("owner", True)}, tp_split
+    assert kinds(tp_dp, "f_a_proj.weight") == {("owner", False)}  # tp-replicated
+    assert all(k != "gather" for k, _ in got[tp_dp]["routes"].values())
+    assert got[tp_dp]["groups"] == 1 and got[tp_dp]["bytes"] > 0
+    ep = "parallel.dp_shard=4 parallel.ep=2"  # experts 2-D sharded (edp x ep), whole per rank
+    assert kinds(ep, "experts.w3") == {("local", False)}
+    assert all(k != "gather" for k, _ in got[ep]["routes"].values())
+    tp = "parallel.tp=4"  # TP alone: row-split matrices to owners over tp, column-split gathered
+    assert kinds(tp, "o_proj.weight") == {("gather", False)}
+    assert kinds(tp, "mlp.gate_proj.weight") == {("owner", False)}
+    assert kinds(tp, "q_proj.weight") == {("local", False)}
