@@ -2,6 +2,7 @@
 own fp32 GEMM rate; prints one JSON line.
 
     python benchmarks/train_step_cpu.py [--threads N] [--steps 3] [--modes eager[,compiled]]
+        [--mtp]
 
 What: the `cpu_bench` preset (configs/model/cpu_bench.yaml: hidden 512, KDA + gated MLA,
 AttnRes, latent MoE with shared experts; every component) trains in fp32 on packed documents
@@ -59,11 +60,11 @@ def doc_lengths(seq: int, docs: int) -> list[int]:
 
 
 def run_mode(mode: str, args: argparse.Namespace) -> dict:
-    cfg = load_model_config("cpu_bench")
+    cfg = load_model_config("cpu_bench", num_nextn_predict_layers=int(args.mtp))
     model = build_model(cfg, seed=0)
     model.train()
     if mode == "compiled":
-        apply_compile(list(model.layers.values()))
+        apply_compile(model.decoder_layers())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(0)
     B, T = args.batch, args.seq
@@ -101,6 +102,7 @@ def main() -> None:
     ap.add_argument("--docs", type=int, default=4, help="documents per row")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--modes", default="eager", help="eager and/or compiled, comma-separated")
+    ap.add_argument("--mtp", action="store_true", help="with the MTP module (its FLOPs counted)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cfg = load_model_config("cpu_bench")
@@ -109,7 +111,8 @@ def main() -> None:
                               (cfg.hidden_size, cfg.hidden_size),
                               (cfg.routed_expert_hidden_size, cfg.moe_intermediate_size),
                               (cfg.hidden_size, cfg.vocab_size)])
-    out = {"bench": "train_step_cpu", "preset": "cpu_bench", "threads": args.threads,
+    out = {"bench": "train_step_cpu", "preset": "cpu_bench", "mtp": args.mtp,
+           "threads": args.threads,
            "batch": args.batch, "seq": args.seq, "docs_per_row": args.docs,
            "gemm_fp32_flops": rate}
     for mode in args.modes.split(","):

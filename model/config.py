@@ -81,6 +81,13 @@ class ModelConfig:
     attn_res_eps: float = 1e-5
     # --- Quantile Balancing ---
     qb_num_bins: int = 1000
+    # --- multi-token prediction (model/mtp.py; the release ships 0: its draft layer is separate)
+    num_nextn_predict_layers: int = 0  # 0 or 1: one MTP module predicting token t+2
+    mtp_loss_weight: float = 0.1  # the MTP loss's weight in the training objective
+    mtp_layer_type: str = "mla"  # the MTP decoder layer's token mixer: "mla" or "kda"
+    # 1-based AttnRes block snapshots fused with the final state into the MTP input through a
+    # projection initialised to pass the final state only (K3's variant; [] = the final state)
+    mtp_attn_res_blocks: list[int] = field(default_factory=list)
     # --- training-side knobs that change no weight ---
     loss_chunk_tokens: int = 4096  # tokens per LM-head chunk in the loss
 
@@ -99,6 +106,11 @@ class ModelConfig:
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         return layer_idx >= self.first_k_dense_replace and layer_idx % self.moe_layer_freq == 0
+
+    @property
+    def num_layers_with_mtp(self) -> int:
+        """Decoder layers plus MTP layers: the MTP layer's index is num_hidden_layers."""
+        return self.num_hidden_layers + self.num_nextn_predict_layers
 
     @property
     def attn_res_snapshot_layers(self) -> list[int]:
@@ -143,6 +155,17 @@ class ModelConfig:
         need(self.num_shared_experts >= 0, "model.num_shared_experts must be >= 0")
         need(self.activation_situ_beta > 0 and self.activation_situ_linear_beta > 0,
              "model.activation_situ_beta and activation_situ_linear_beta must be > 0")
+        need(self.num_nextn_predict_layers in (0, 1),
+             f"model.num_nextn_predict_layers={self.num_nextn_predict_layers} must be 0 or 1 "
+             "(one MTP module, as K3 pretrains)")
+        need(self.mtp_loss_weight >= 0,
+             f"model.mtp_loss_weight={self.mtp_loss_weight} must be >= 0")
+        need(self.mtp_layer_type in ("mla", "kda"),
+             f"model.mtp_layer_type={self.mtp_layer_type!r} must be 'mla' or 'kda'")
+        n_blocks = len(self.attn_res_snapshot_layers)
+        bad = [b for b in self.mtp_attn_res_blocks if not 1 <= b <= n_blocks]
+        need(not bad, f"model.mtp_attn_res_blocks has {bad} outside 1..{n_blocks} (1-based "
+                      "AttnRes block snapshots; the embedding is block 1)")
         return self
 
     # ------------------------------------------------------------------- I/O

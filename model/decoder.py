@@ -23,27 +23,37 @@ from model.loss import chunked_cross_entropy
 from model.mla import GatedMLA
 from model.mlp import SiTUMLP
 from model.moe import LatentMoE
+from model.mtp import MTPModule, mtp_targets, next_token_ids
 from model.norms import RMSNorm
 from model.packing import Packing
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, device: torch.device | None = None
-                 ) -> None:
+    """One hybrid layer. `layer_type` / `moe` override the config's schedule and
+    `attn_res=False` makes a layer without AttnRes (the MTP layer: its state has no snapshots,
+    so each mix would return its prefix; it has no mixing parameters and starts no block)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, device: torch.device | None = None,
+                 layer_type: str | None = None, moe: bool | None = None,
+                 attn_res: bool = True) -> None:
         super().__init__()
         d, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.layer_idx, self.layer_type = layer_idx, cfg.layer_type(layer_idx)
-        self.starts_block = layer_idx % cfg.attn_res_block_size == 0
+        self.layer_idx = layer_idx
+        self.layer_type = layer_type or cfg.layer_type(layer_idx)
+        self.attn_res = attn_res
+        self.starts_block = attn_res and layer_idx % cfg.attn_res_block_size == 0
         self.attn_res_eps = cfg.attn_res_eps
         self.self_attn = (GatedMLA(cfg, device) if self.layer_type == "mla"
                           else KimiDeltaAttention(cfg, device))
-        if cfg.is_moe_layer(layer_idx):
+        if cfg.is_moe_layer(layer_idx) if moe is None else moe:
             self.block_sparse_moe = LatentMoE(cfg, device)
         else:
             self.mlp = SiTUMLP(d, cfg.intermediate_size, cfg.activation_situ_beta,
                                cfg.activation_situ_linear_beta, device)
         self.input_layernorm = RMSNorm(d, eps, device)
         self.post_attention_layernorm = RMSNorm(d, eps, device)
+        if not attn_res:
+            return
         self.self_attention_res_norm = RMSNorm(d, eps, device)
         self.self_attention_res_proj = nn.Linear(d, 1, bias=False, device=device)
         self.mlp_res_norm = RMSNorm(d, eps, device)
@@ -59,6 +69,9 @@ class DecoderLayer(nn.Module):
     def forward(self, prefix: torch.Tensor, blocks: torch.Tensor, packing: Packing
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         eps = self.attn_res_eps
+        if not self.attn_res:  # a plain pre-norm residual layer
+            prefix = prefix + self.self_attn(self.input_layernorm(prefix), packing)
+            return prefix + self.ffn(self.post_attention_layernorm(prefix)), blocks
         if blocks.shape[0] > 0:
             h = mix(prefix, blocks, self.self_attention_res_norm, self.self_attention_res_proj, eps)
         else:
@@ -91,6 +104,10 @@ class K3Model(nn.Module):
         self.output_attn_res_proj = nn.Linear(d, 1, bias=False, device=device)
         self.norm = RMSNorm(d, cfg.rms_norm_eps, device)
         self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False, device=device)
+        # multi-token prediction (model/mtp.py): uses embed_tokens and lm_head; each training
+        # forward appends its (detached) MTP loss sum to `mtp_loss_sums` for the trainer's log
+        self.mtp = MTPModule(cfg, device) if cfg.num_nextn_predict_layers else None
+        self.mtp_loss_sums: list[torch.Tensor] = []
         # (h, head weight, labels, chunk) -> (loss sum, target count); tensor parallelism swaps
         # in the vocabulary-parallel version, like the MoE layer's dispatcher
         self.cross_entropy = chunked_cross_entropy
@@ -107,11 +124,14 @@ class K3Model(nn.Module):
             prefix, blocks = self.layers[key](prefix, blocks, packing)
         return prefix, blocks
 
+    def output_state(self, prefix: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """The output AttnRes mix [B, T, d]: the final state (the MTP module's input)."""
+        return mix(prefix, blocks, self.output_attn_res_norm, self.output_attn_res_proj,
+                   self.config.attn_res_eps)
+
     def final_hidden(self, prefix: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         """The output AttnRes mix and final norm: the LM head's input [B, T, d]."""
-        h = mix(prefix, blocks, self.output_attn_res_norm, self.output_attn_res_proj,
-                self.config.attn_res_eps)
-        return self.norm(h)
+        return self.norm(self.output_state(prefix, blocks))
 
     def hidden_states(self, input_ids: torch.Tensor,
                       cu_seqlens: torch.Tensor | Packing | None = None) -> torch.Tensor:
@@ -137,18 +157,43 @@ class K3Model(nn.Module):
                       layer_ids: list[str] | None = None, first: bool = False,
                       last: bool = False):
         """One pipeline stage: (input_ids,) if `first` else (prefix, blocks) -> (prefix, blocks),
-        or the loss sum if `last`. Document boundaries come as `cu_seqlens` [1, W] on the
-        device: this micro-batch's row of the step's boundaries, padded with empty trailing
-        documents to one width (they split along dim 0 like every other micro-batch tensor);
-        `seq_len` is T (a stage's inputs hold T / tp tokens under sequence parallelism) and
-        `max_seqlen` a host bound of the step's longest document."""
+        or the loss sum if `last`. With MTP, (prefix, blocks, e_next) flow between stages: the
+        first stage embeds the next tokens and every stage passes them on, so the embedding's
+        gradient from the MTP module returns through the pipeline to it. Document boundaries
+        come as `cu_seqlens` [1, W] on the device: this micro-batch's row of the step's
+        boundaries, padded with empty trailing documents to one width (they split along dim 0
+        like every other micro-batch tensor); `seq_len` is T (a stage's inputs hold T / tp
+        tokens under sequence parallelism) and `max_seqlen` a host bound of the step's longest
+        document."""
         packing = Packing(inputs[0].shape[0], seq_len, cu_seqlens.device, cu_seqlens.reshape(-1),
                           max_seqlen)
-        prefix, blocks = self.embed(inputs[0]) if first else inputs
+        if first:
+            prefix, blocks = self.embed(inputs[0])
+            e_next = (self.embed_tokens(next_token_ids(inputs[0]))
+                      if self.config.num_nextn_predict_layers else None)
+        else:
+            prefix, blocks, *rest = inputs
+            e_next = rest[0] if rest else None
         prefix, blocks = self.run_layers(prefix, blocks, packing, layer_ids)
         if not last:
-            return prefix, blocks
-        return self.loss_from_hidden(self.final_hidden(prefix, blocks), labels)[0]
+            return (prefix, blocks) if e_next is None else (prefix, blocks, e_next)
+        return self._loss(prefix, blocks, e_next, packing, labels)[0]
+
+    def _loss(self, prefix: torch.Tensor, blocks: torch.Tensor, e_next: torch.Tensor | None,
+              packing: Packing, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(main loss sum + mtp_loss_weight x MTP loss sum, main target count). `labels`:
+        [B, T] main labels, or [B, T, 2] (main, MTP; `model.mtp.stack_targets`)."""
+        main = labels[..., 0] if labels.ndim == 3 else labels
+        h = self.output_state(prefix, blocks)
+        total, n = self.loss_from_hidden(self.norm(h), main)
+        if self.mtp is not None:
+            targets = labels[..., 1] if labels.ndim == 3 else mtp_targets(labels)
+            y = self.mtp(h, blocks, e_next, packing)
+            s, _ = self.cross_entropy(y.flatten(0, 1), self.lm_head.weight, targets.flatten(),
+                                      self.config.loss_chunk_tokens)
+            self.mtp_loss_sums.append(s.detach())
+            total = total + self.config.mtp_loss_weight * s
+        return total, n
 
     def loss_from_hidden(self, h: torch.Tensor, labels: torch.Tensor
                          ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,19 +207,30 @@ class K3Model(nn.Module):
         """Without labels: logits [B, T, vocab] (materialised; for inspection and tests).
 
         With labels: (sum of token cross-entropies, number of target tokens), labels -100
-        ignored, computed over chunks of tokens. The sum, not the mean, so the trainer can
-        divide by the global batch's token count. Training goes through here (not `loss`
-        helpers) so that wrappers' forward hooks (FSDP) run.
+        ignored, computed over chunks of tokens; with MTP the sum adds mtp_loss_weight x the
+        MTP loss sum (`_loss`; labels [B, T] full rows, or [B, T, 2] main and MTP targets).
+        The sum, not the mean, so the trainer can divide by the global batch's token count.
+        Training goes through here (not `loss` helpers) so that wrappers' forward hooks (FSDP)
+        run.
         """
-        h = self.hidden_states(input_ids, cu_seqlens)
+        packing = self.packing(input_ids, cu_seqlens)
+        prefix, blocks = self.embed(input_ids)
+        prefix, blocks = self.run_layers(prefix, blocks, packing)
         if labels is None:
-            return self.lm_head(h)
-        return self.loss_from_hidden(h, labels)
+            return self.lm_head(self.final_hidden(prefix, blocks))
+        e_next = (self.embed_tokens(next_token_ids(input_ids)) if self.mtp is not None
+                  else None)
+        return self._loss(prefix, blocks, e_next, packing, labels)
 
     def loss(self, input_ids: torch.Tensor, labels: torch.Tensor,
              cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss sum, target-token count): `self(input_ids, cu_seqlens, labels)`."""
         return self(input_ids, cu_seqlens, labels=labels)
+
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """This module's decoder layers in order, the MTP layer last (if held)."""
+        mtp = [self.mtp.layer] if self.mtp is not None else []
+        return [*self.layers.values(), *mtp]
 
     def moe_layers(self) -> list[LatentMoE]:
         return [m for m in self.modules() if isinstance(m, LatentMoE)]

@@ -6,8 +6,9 @@ full (unsharded) tensor from its own generator, seeded from (seed, parameter nam
 sharded by `parallel/` (which passes a writer that keeps only the local shard) all get the same
 weights. Rules (k3-architecture.md §9 open question 1, our proposal): normal(0, initializer_range)
 for linears, experts, router and embedding; ones for norm weights; zeros for AttnRes
-pseudo-queries; fla's init for A_log/dt_bias; Conv1d's default uniform bound for the short convs;
-all buffers (router bias, QB counts, loads) zero.
+pseudo-queries; [0 .. 0 I] for the MTP's AttnRes-feature projection (`model.mtp`); fla's init
+for A_log/dt_bias; Conv1d's default uniform bound for the short convs; all buffers (router bias,
+QB counts, loads) zero.
 
 `FP32_PARAM_SUFFIXES` lists what K3 keeps in fp32 when the rest of the model is cast down.
 """
@@ -57,6 +58,10 @@ def _fill(module: nn.Module, mod_name: str, pname: str, full: torch.Tensor,
         full.uniform_(-bound, bound, generator=gen)
     elif mod_name.endswith("_res_proj"):
         full.zero_()  # AttnRes pseudo-query: a uniform depth average at step 0
+    elif mod_name.endswith("mtp.h_proj"):  # [0 ... 0 I]: the MTP input is the final state
+        full.zero_()
+        d = full.shape[0]
+        full[:, -d:] = torch.eye(d)
     elif isinstance(module, KimiDeltaAttention) and pname == "A_log":
         if module.lower_bound is None:  # fla: log U[1, 16]; zeros with the lower-bound gate
             full.copy_(torch.empty_like(full).uniform_(1, 16, generator=gen).log())

@@ -1,8 +1,11 @@
-"""`python -m model.inspect <preset>`: one JSON object describing a model config, built on meta.
+"""`python -m model.inspect <preset> [field=value ...]`: one JSON object describing a model
+config, built on meta.
 
 Keys: total_params, active_params (per token: routed experts counted top-k/E, input embedding
 excluded, LM head included — the convention of K3's "104.2B activated"), n_layers, layer_types,
-plus a per-component breakdown and the AttnRes schedule. Nothing is allocated.
+plus a per-component breakdown and the AttnRes schedule. The MTP module
+(`num_nextn_predict_layers=1`) is counted apart, in mtp_params / mtp_active_params (its own
+tensors; it shares the embedding and LM head), never in the totals. Nothing is allocated.
 """
 
 from __future__ import annotations
@@ -22,23 +25,27 @@ from model.moe import RoutedExperts
 
 def count_params(model: torch.nn.Module) -> dict[str, int]:
     cfg = model.config  # type: ignore[union-attr]
-    total = active = routed = embed = 0
-    for mod in model.modules():
+    total = active = routed = embed = mtp = mtp_active = 0
+    for name, mod in model.named_modules():
         n = sum(p.numel() for p in mod.parameters(recurse=False))
+        a = n * cfg.num_experts_per_token // cfg.num_experts if isinstance(mod, RoutedExperts) \
+            else 0 if isinstance(mod, torch.nn.Embedding) else n
+        if name == "mtp" or name.startswith("mtp."):
+            mtp += n
+            mtp_active += a
+            continue
         total += n
+        active += a
         if isinstance(mod, RoutedExperts):
             routed += n
-            active += n * cfg.num_experts_per_token // cfg.num_experts
         elif isinstance(mod, torch.nn.Embedding):
             embed += n
-        else:
-            active += n
     return {"total_params": total, "active_params": active, "routed_expert_params": routed,
-            "embedding_params": embed}
+            "embedding_params": embed, "mtp_params": mtp, "mtp_active_params": mtp_active}
 
 
-def describe(name: str) -> dict[str, Any]:
-    cfg = load_model_config(name)
+def describe(name: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    cfg = load_model_config(name, **(overrides or {}))
     t0 = time.perf_counter()
     model = build_model(cfg, device="meta")
     build_s = time.perf_counter() - t0
@@ -69,12 +76,27 @@ def describe(name: str) -> dict[str, Any]:
     }
 
 
+def _parse_overrides(items: list[str]) -> dict[str, Any]:
+    import yaml
+
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not field=value, e.g. "
+                              "num_nextn_predict_layers=1")
+        out[key.removeprefix("model.")] = yaml.safe_load(value)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m model.inspect", description=__doc__)
     ap.add_argument("preset", help="model preset name (configs/model/<name>.yaml) or YAML path")
+    ap.add_argument("overrides", nargs="*", metavar="field=value",
+                    help="model fields to change, YAML values (num_nextn_predict_layers=1)")
     args = ap.parse_args(argv)
     try:
-        info = describe(args.preset)
+        info = describe(args.preset, _parse_overrides(args.overrides))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

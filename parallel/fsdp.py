@@ -35,7 +35,7 @@ def apply_fsdp(model: nn.Module, mesh, param_dtype: str = "fp32", reduce_dtype: 
     again), and each layer prefetches its neighbour explicitly: the next layer's all-gather in
     forward, the previous layer's in backward, issued before this layer's compute."""
     kw = fsdp_kwargs(mesh, param_dtype, reduce_dtype, reshard_after_forward, ignored_params)
-    layers = list(model.layers.values())  # type: ignore[union-attr]
+    layers = model.decoder_layers()  # type: ignore[union-attr]
     for i, layer in enumerate(layers):
         fully_shard(layer, **{**kw, "reshard_after_forward":
                               reshard_after_forward and i < len(layers) - 1})

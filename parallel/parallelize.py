@@ -107,7 +107,7 @@ def shard_on_meta(job, dims: ParallelDims, meshes: Meshes, pp_rank: int, log=pri
             f"{', '.join(p.targets)}")
     if dims.tp > 1:
         apply_tensor_parallel(model, meshes.tp)
-    layers = list(model.layers.values())
+    layers = model.decoder_layers()  # the MTP layer too (on the last stage)
     apply_activation_checkpointing(layers, job.parallel.activation_checkpoint)
     if job.parallel.compile:
         apply_compile(layers, job.parallel.compile_backend)

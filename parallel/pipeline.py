@@ -84,7 +84,7 @@ def prune_to_stages(model: K3Model, splits: list[list[int]], stages: list[int]) 
         model.embed_tokens = None
     if len(splits) - 1 not in stages:
         model.output_attn_res_norm = model.output_attn_res_proj = None
-        model.norm = model.lm_head = None
+        model.norm = model.lm_head = model.mtp = None
 
 
 class PipelineStageModule(nn.Module):
@@ -105,6 +105,8 @@ class PipelineStageModule(nn.Module):
         if last:
             self.output = nn.ModuleList([model.output_attn_res_norm, model.output_attn_res_proj,
                                          model.norm, model.lm_head])
+            if model.mtp is not None:
+                self.mtp = model.mtp
 
     def forward(self, *inputs: torch.Tensor, cu_seqlens: torch.Tensor, seq_len: int,
                 max_seqlen: int | None = None, labels: torch.Tensor | None = None):
@@ -114,9 +116,11 @@ class PipelineStageModule(nn.Module):
                                        last=self.last)
         if self.last:
             return out
-        # a layer passes `blocks` through unchanged, and FSDP turns layer inputs into views; the
-        # zero-bubble schedules detach stage outputs in place, which views do not allow
-        return tuple(t.clone() if t._is_view() else t for t in out)
+        # a layer passes `blocks` through unchanged (and every stage the MTP's next-token
+        # embeddings), and FSDP turns layer inputs into views; the zero-bubble schedules detach
+        # stage outputs in place, which views (and inputs) do not allow
+        return tuple(t.clone() if t._is_view() or any(t is i for i in inputs) else t
+                     for t in out)
 
 
 @dataclass
@@ -131,16 +135,21 @@ def stage_io_meta(cfg: ModelConfig, splits: list[list[int]], stage: int, micro_b
                   ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     """Meta tensors of a stage's inputs and outputs, given to `PipelineStage` so that it does
     not infer them by running the model (the router and MoE dispatch are data-dependent).
-    A stage that starts at layer L receives ceil(L / block_size) AttnRes snapshots."""
+    A stage that starts at layer L receives ceil(L / block_size) AttnRes snapshots, and with
+    MTP the next tokens' embeddings [B, T/tp, d] (`K3Model.forward_stage`)."""
     local_t = seq_len // tp  # sequence parallelism: each tp rank holds a slice of every row
     d, bs = cfg.hidden_size, cfg.attn_res_block_size
 
-    def state(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def state(layer: int) -> tuple[torch.Tensor, ...]:
         n = -(-layer // bs)
-        return (torch.empty(micro_batch, local_t, d, dtype=dtype, device="meta",
-                            requires_grad=True),
-                torch.empty(n, micro_batch, local_t, d, dtype=dtype, device="meta",
-                            requires_grad=True))
+        out = (torch.empty(micro_batch, local_t, d, dtype=dtype, device="meta",
+                           requires_grad=True),
+               torch.empty(n, micro_batch, local_t, d, dtype=dtype, device="meta",
+                           requires_grad=True))
+        if cfg.num_nextn_predict_layers:
+            out += (torch.empty(micro_batch, local_t, d, dtype=dtype, device="meta",
+                                requires_grad=True),)
+        return out
 
     first, last = splits[stage][0], splits[stage][-1] + 1
     inputs = ((torch.empty(micro_batch, seq_len, dtype=torch.long, device="meta"),)

@@ -90,7 +90,7 @@ def apply_tensor_parallel(model: K3Model, tp_mesh) -> None:
             vocab_start=rank * (model.config.vocab_size // tp))
     if model.embed_tokens is not None:
         _vocab_parallel_embedding(model.embed_tokens, group, tp, rank)
-    for layer in model.layers.values():
+    for layer in model.decoder_layers():  # the MTP layer too: its own FSDP unit
         _scope_locals(layer, "forward", [layer])
     roots = [m for n, m in model.named_children() if n != "layers"]
     for method in ("forward", "forward_stage"):

@@ -12,7 +12,13 @@ experts [E, out, in] split into `experts.{e}.w1|w2|w3.weight`), and writes size-
 fp32 (`model.init.keeps_fp32`, router bias) stay fp32. The output appears atomically (written to
 `OUT.tmp-<pid>`, then renamed). `load_hf_state_dict` reads an export back in our naming.
 
-Deliberately not: vision tower / MTP weights (we train none), MXFP4 quantisation of the experts,
+The MTP module (`model.num_nextn_predict_layers=1`) is written in DeepSeek-V3's convention: as
+decoder layer `num_hidden_layers` (`layers.{L}.enorm`, `hnorm`, `eh_proj`, `shared_head.norm`,
+its decoder layer's tensors under `layers.{L}.`, our `h_proj` when AttnRes features are fused),
+with copies of the shared embedding and LM head as `layers.{L}.embed_tokens` and
+`layers.{L}.shared_head.head` (which readers of that convention load; skipped on reading back).
+
+Deliberately not: vision tower weights (we train none), MXFP4 quantisation of the experts,
 tokenizer files, shape changes for other HF ports (e.g. A_log as [1, 1, H, 1]), streaming for
 checkpoints larger than host memory, and the Quantile-Balancing statistics (`qb_counts`,
 `expert_load`), which are training state, not weights.
@@ -53,7 +59,8 @@ _PER_EXPERT = re.compile(
 _LINEAR = {"kda_head_dim": "head_dim", "kda_num_heads": "num_heads",
            "short_conv_kernel_size": "short_conv_kernel_size",
            "use_full_rank_gate": "use_full_rank_gate", "gate_lower_bound": "gate_lower_bound"}
-_TRAINING_ONLY = ("kda_chunk_size", "qb_num_bins", "loss_chunk_tokens")
+_TRAINING_ONLY = ("kda_chunk_size", "qb_num_bins", "loss_chunk_tokens", "mtp_loss_weight")
+_MTP_OWN = ("enorm", "hnorm", "eh_proj", "h_proj", "shared_head")  # mtp.<these>; else mtp.layer
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -87,20 +94,49 @@ def our_name(name: str) -> tuple[str, int | None]:
     return name[len(PREFIX):], None
 
 
+def mtp_as_layer(name: str, n_layers: int) -> str:
+    """Our MTP names as decoder layer `n_layers` (DeepSeek-V3's convention); others unchanged."""
+    for ours in ("mtp.layer.", "mtp."):
+        if name.startswith(ours):
+            return f"layers.{n_layers}.{name[len(ours):]}"
+    return name
+
+
+def layer_as_mtp(name: str, n_layers: int) -> str:
+    """Inverse of `mtp_as_layer`."""
+    head = f"layers.{n_layers}."
+    if not name.startswith(head):
+        return name
+    rest = name[len(head):]
+    return ("mtp." if rest.split(".")[0] in _MTP_OWN else "mtp.layer.") + rest
+
+
+def _mtp_copies(n_layers: int) -> dict[str, str]:
+    """HF names of the MTP layer's copies of the shared tensors -> our tensor."""
+    return {f"{PREFIX}layers.{n_layers}.embed_tokens.weight": "embed_tokens.weight",
+            f"{PREFIX}layers.{n_layers}.shared_head.head.weight": "lm_head.weight"}
+
+
 def keeps_fp32_hf(our: str) -> bool:
     """Whether K3 stores this tensor in fp32 whatever the export dtype."""
     return keeps_fp32(our) or our.endswith("e_score_correction_bias")
 
 
-def hf_tensors(state: dict[str, torch.Tensor], dtype: torch.dtype
+def hf_tensors(state: dict[str, torch.Tensor], dtype: torch.dtype, cfg: ModelConfig
                ) -> Iterator[tuple[str, torch.Tensor, torch.dtype]]:
-    """(HF name, source view, dtype to store) for every exported tensor, in state-dict order."""
+    """(HF name, source view, dtype to store) for every exported tensor, in state-dict order
+    (the MTP layer's copies of the embedding and head last)."""
+    L = cfg.num_hidden_layers
     for name, t in state.items():
-        stacked = _STACKED.match(name) is not None
-        names = hf_name(name, t.shape[0] if stacked else 0)
+        layer_name = mtp_as_layer(name, L)
+        stacked = _STACKED.match(layer_name) is not None
+        names = hf_name(layer_name, t.shape[0] if stacked else 0)
         out_dtype = dtype if t.is_floating_point() and not keeps_fp32_hf(name) else t.dtype
         for i, hf in enumerate(names):
             yield hf, t[i] if stacked else t, out_dtype
+    if cfg.num_nextn_predict_layers:
+        for hf, ours in _mtp_copies(L).items():
+            yield hf, state[ours], dtype
 
 
 # ------------------------------------------------------------------------ checkpoint
@@ -189,7 +225,7 @@ def export_hf(checkpoint: Path, output: Path, dtype: torch.dtype = torch.bfloat1
     state = model.state_dict()
     plan: list[list[tuple[str, int]]] = [[]]  # shards of (HF name, bytes), before writing any
     size = 0
-    for hf, t, out_dtype in hf_tensors(state, dtype):
+    for hf, t, out_dtype in hf_tensors(state, dtype, model.config):
         n = t.numel() * out_dtype.itemsize
         if plan[-1] and size + n > max_shard_bytes:
             plan.append([])
@@ -208,7 +244,7 @@ def export_hf(checkpoint: Path, output: Path, dtype: torch.dtype = torch.bfloat1
         mode = (tmp / "config.json").stat().st_mode  # safetensors creates files 0600
         pending: dict[str, dict[str, torch.Tensor]] = {f: {} for f in files}
         left = Counter(shard_of.values())
-        for hf, t, out_dtype in hf_tensors(state, dtype):  # write each shard once complete
+        for hf, t, out_dtype in hf_tensors(state, dtype, model.config):  # each shard once complete
             f = shard_of[hf]  # own storage (clone): safetensors refuses tensors that share
             pending[f][hf] = t.to(out_dtype, memory_format=torch.contiguous_format, copy=True)
             left[f] -= 1
@@ -233,9 +269,12 @@ def export_hf(checkpoint: Path, output: Path, dtype: torch.dtype = torch.bfloat1
 
 
 def load_hf_state_dict(output_dir: Path) -> dict[str, torch.Tensor]:
-    """Read an export back as our state dict (experts re-stacked; no QB statistics)."""
+    """Read an export back as our state dict (experts re-stacked; no QB statistics; the MTP
+    layer's copies of the embedding and head skipped)."""
     output_dir = Path(output_dir)
     weight_map = json.loads((output_dir / INDEX).read_text())["weight_map"]
+    L = json.loads((output_dir / "config.json").read_text())["text_config"]["num_hidden_layers"]
+    weight_map = {k: v for k, v in weight_map.items() if k not in _mtp_copies(L)}
     flat: dict[str, torch.Tensor] = {}
     for f in dict.fromkeys(weight_map.values()):
         flat.update(load_file(str(output_dir / f)))
@@ -243,6 +282,7 @@ def load_hf_state_dict(output_dir: Path) -> dict[str, torch.Tensor]:
     experts: dict[str, dict[int, torch.Tensor]] = {}
     for name in weight_map:
         ours, e = our_name(name)
+        ours = layer_as_mtp(ours, L)
         if e is None:
             state[ours] = flat[name]
         else:

@@ -20,6 +20,9 @@ Counting convention (training = forward + backward = 3 x forward, 2 FLOPs per mu
   the intra-chunk causal C x C products (A_qk, A_kk, w = A k on the key side; u = A v,
   o = A_qk v_new and the triangular solve / decay bookkeeping, counted as a third product, on the
   value side), each halved by causality. An estimate, not a kernel trace.
+* MTP (`num_nextn_predict_layers=1`): its layer counts like a decoder layer of its type, its
+  own matrices (eh_proj) are in N_active, and the shared LM head counts a second time (it runs
+  on the MTP states too); the shared embedding is a lookup, as ever.
 * Not counted: the AttnRes depth mixes (~7*d per source per mix per token, < 0.1% for K3),
   norms, activations, softmax and other elementwise work. MFU uses "model FLOPs": activation
   recomputation is never counted as useful work.
@@ -57,12 +60,20 @@ def _active_params(cfg_json: str) -> int:
     from model.inspect import count_params
 
     cfg = ModelConfig.from_dict(json.loads(cfg_json))
-    return count_params(build_model(cfg, device="meta"))["active_params"]
+    counts = count_params(build_model(cfg, device="meta"))
+    head = cfg.vocab_size * cfg.hidden_size if cfg.num_nextn_predict_layers else 0
+    return counts["active_params"] + counts["mtp_active_params"] + head
 
 
 def active_params(cfg: ModelConfig) -> int:
-    """Active matmul parameters per token (cached per config; a K3 meta build takes ~2 s once)."""
+    """Active matmul parameters per token, the MTP module's (and its second use of the LM head)
+    included (cached per config; a K3 meta build takes ~2 s once)."""
     return _active_params(json.dumps(cfg.to_dict(), sort_keys=True))
+
+
+def _layer_types(cfg: ModelConfig) -> list[str]:
+    """Token-mixer type of every decoder layer, the MTP layer's last."""
+    return cfg.layer_types + [cfg.mtp_layer_type] * cfg.num_nextn_predict_layers
 
 
 def mla_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -82,7 +93,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training (forward + backward) FLOPs per token at sequence length `seq_len`."""
     if seq_len <= 0:
         raise ValueError(f"seq_len={seq_len} must be positive")
-    types = cfg.layer_types
+    types = _layer_types(cfg)
     return (6.0 * active_params(cfg)
             + types.count("mla") * mla_flops_per_token(cfg, seq_len)
             + types.count("kda") * kda_flops_per_token(cfg, seq_len))
@@ -99,7 +110,7 @@ def step_flops(cfg: ModelConfig, doc_lengths) -> float:
     lengths = [int(n) for n in doc_lengths if int(n) > 0]
     if not lengths:
         return 0.0
-    types = cfg.layer_types
+    types = _layer_types(cfg)
     n_mla, n_kda = types.count("mla"), types.count("kda")
     tokens = sum(lengths)
     attn = sum(n * n for n in lengths) * (mla_flops_per_token(cfg, 1) if n_mla else 0.0)

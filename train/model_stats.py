@@ -33,8 +33,13 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
 
 
 def moe_layer_indices(model: K3Model) -> list[int]:
-    """0-based decoder layer index of each MoE layer, in order (the rows of the matrices)."""
-    return [int(i) for i, layer in model.layers.items() if hasattr(layer, "block_sparse_moe")]
+    """0-based decoder layer index of each MoE layer, in order (the rows of the matrices; the
+    MTP layer's index is num_hidden_layers)."""
+    return [layer.layer_idx for layer in _moe_decoder_layers(model)]
+
+
+def _moe_decoder_layers(model: K3Model) -> list:
+    return [layer for layer in model.decoder_layers() if hasattr(layer, "block_sparse_moe")]
 
 
 def expert_load_matrix(model: K3Model, reset: bool = False) -> np.ndarray:
@@ -44,8 +49,8 @@ def expert_load_matrix(model: K3Model, reset: bool = False) -> np.ndarray:
     `reset=True` to zero it after reading, so each plot shows one logging interval.
     """
     rows = []
-    for i in moe_layer_indices(model):
-        load = model.layers[str(i)].block_sparse_moe.gate.expert_load
+    for layer in _moe_decoder_layers(model):
+        load = layer.block_sparse_moe.gate.expert_load
         rows.append(_numpy(load).astype(np.int64))
         if reset:
             load.zero_()
@@ -54,7 +59,7 @@ def expert_load_matrix(model: K3Model, reset: bool = False) -> np.ndarray:
 
 def router_bias_matrix(model: K3Model) -> np.ndarray:
     """float32 [n_moe_layers, n_experts] Quantile-Balancing router biases."""
-    gates = [model.layers[str(i)].block_sparse_moe.gate for i in moe_layer_indices(model)]
+    gates = [layer.block_sparse_moe.gate for layer in _moe_decoder_layers(model)]
     rows = [_numpy(g.e_score_correction_bias).astype(np.float32) for g in gates]
     return np.stack(rows) if rows else np.zeros((0, model.config.num_experts), np.float32)
 

@@ -30,13 +30,10 @@ from model.mla import GatedMLA
 
 
 def mla_modules(model: nn.Module) -> list[tuple[int, GatedMLA]]:
-    """(decoder layer index, module) of every Gated MLA in `model` (a pipeline stage holds some)."""
-    out = []
-    for name, module in model.named_modules():
-        if isinstance(module, GatedMLA):
-            parts = name.split(".")
-            out.append((int(parts[parts.index("layers") + 1]), module))
-    return out
+    """(decoder layer index, module) of every Gated MLA in `model` (a pipeline stage holds some;
+    the MTP layer's index is num_hidden_layers)."""
+    return [(layer.layer_idx, layer.self_attn) for layer in model.decoder_layers()
+            if isinstance(layer.self_attn, GatedMLA)]
 
 
 def track_logits(model: nn.Module, device: torch.device) -> None:

@@ -14,7 +14,7 @@ import os
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,7 @@ from data.loader import BatchLoader, local_target_tokens
 from data.tokenizer import load_tokenizer
 from model.config import ConfigError
 from model.decoder import K3Model
+from model.mtp import stack_targets
 from model.packing import (
     Packing,
     check_cu_seqlens,
@@ -101,7 +102,7 @@ def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
             if tau is not None:
                 reset_logits(model)
             with syncs.step if syncs else contextlib.nullcontext():
-                loss, _, grad_norm, step_model_flops = train_step(
+                loss, _, grad_norm, step_model_flops, mtp_loss = train_step(
                     pm, optimizer, batches, env, job.optim.grad_clip, syncs, flops)
             qk = {} if tau is None else _qk_clip(pm, job.model, tau, env.device)
             lr = scheduler.get_last_lr()[0]
@@ -120,6 +121,7 @@ def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
             tps = job.data.global_batch * job.data.seq_len / dt
             scalars = {
                 "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_sec": tps,
+                **({} if mtp_loss is None else {"mtp_loss": mtp_loss}),
                 "mfu": (step_model_flops / dt / (env.world_size * peak)) if peak else None,
                 "model_flops": step_model_flops,
                 "step_time_s": dt, "tokens_seen": state["tokens_seen"],
@@ -163,22 +165,35 @@ class SyncCounts:
                                            for k, v in sorted(self.model.counts.items())]}
 
 
+class StepResult(NamedTuple):
+    loss: float  # the global token-mean loss of the next-token head
+    tokens: int  # global target tokens
+    grad_norm: float  # before clipping
+    flops: float  # model FLOPs of the global batch
+    mtp_loss: float | None  # the MTP head's token-mean loss (None without MTP)
+
+
 def train_step(pm: ParallelModel, optimizer: torch.optim.Optimizer, batches: list[dict],
                env: DistEnv, grad_clip: float, syncs: SyncCounts | None = None,
-               local_flops: float = 0.0) -> tuple[float, int, float, float]:
+               local_flops: float = 0.0) -> StepResult:
     """Forward/backward over this rank's micro-batches (or the pipeline schedule), clip, step.
 
-    Returns (global token-mean loss, global target tokens, gradient norm before clipping, the
-    sum of `local_flops` over the data-parallel ranks: the global batch's model FLOPs).
-    Host reads per step outside the model: the global token count (with the FLOPs), the loss and
-    the gradient norm (one each), plus the router-balancing ratios after the step.
+    `local_flops` summed over the data-parallel ranks gives the global batch's model FLOPs.
+    The objective is (next-token loss sum + mtp_loss_weight x MTP loss sum) / global targets.
+    Host reads per step outside the model: the global token counts (with the FLOPs), the loss
+    sums and the gradient norm (one each), plus the router-balancing ratios after the step.
     """
     in_model = syncs.model if syncs else contextlib.nullcontext()
     model, dims = pm.model, pm.dims
-    counts = torch.tensor([local_target_tokens(batches), local_flops], dtype=torch.float64,
-                          device=env.device)
+    cfg = model.config
+    mtp = cfg.num_nextn_predict_layers > 0
+    if mtp:  # (main, MTP) targets from the full host rows, before any layout splits them
+        batches = [{**b, "labels": stack_targets(b["labels"])} for b in batches]
+    mtp_targets = sum(int((b["labels"][..., 1] != -100).sum()) for b in batches) if mtp else 0
+    counts = torch.tensor([local_target_tokens(batches), local_flops, mtp_targets],
+                          dtype=torch.float64, device=env.device)
     dist.all_reduce(counts, group=pm.meshes.dp_group)
-    global_tokens, global_flops = counts.tolist()
+    global_tokens, global_flops, global_mtp = counts.tolist()
     global_tokens = int(global_tokens)
     scale = dims.dp / max(global_tokens, 1)  # FSDP averages over dp ranks: undo, then / tokens
     if pm.schedule is not None:
@@ -195,8 +210,9 @@ def train_step(pm: ParallelModel, optimizer: torch.optim.Optimizer, batches: lis
                 s, _ = model(ids, packing, labels=labels)
                 (s * scale).backward()
             loss_sum += s.detach().double()
-    dist.all_reduce(loss_sum)  # data ranks; 0 on non-last pp stages
-    loss_sum /= dims.tp  # the vocabulary-parallel loss: every tp rank holds the full sum
+    sums = torch.stack([loss_sum, _pop_mtp_sums(model, env.device)])
+    dist.all_reduce(sums)  # data ranks; 0 on non-last pp stages
+    sums /= dims.tp  # the vocabulary-parallel loss: every tp rank holds the full sum
     if pm.tp_params:
         allreduce_replicated_grads(pm.tp_params, pm.meshes.tp.get_group())
     finalize_expert_grads(pm.expert_params, dims.expert_grad_divisor)
@@ -204,7 +220,19 @@ def train_step(pm: ParallelModel, optimizer: torch.optim.Optimizer, batches: lis
     norm = clip_grad_norm(model.parameters(), max_norm, dims.pp, optimizer)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss_sum.item() / max(global_tokens, 1), global_tokens, norm, global_flops
+    total, mtp_sum = sums.tolist()
+    main = total - cfg.mtp_loss_weight * mtp_sum if mtp else total
+    return StepResult(main / max(global_tokens, 1), global_tokens, norm, global_flops,
+                      mtp_sum / max(global_mtp, 1) if mtp else None)
+
+
+def _pop_mtp_sums(model: K3Model, device: torch.device) -> torch.Tensor:
+    """This step's MTP loss sum on this rank (float64; 0 without MTP or off the last stage)."""
+    sums = model.mtp_loss_sums
+    total = (torch.stack(sums).double().sum() if sums
+             else torch.zeros((), dtype=torch.float64, device=device))
+    sums.clear()
+    return total
 
 
 def batch_flops(cfg, batches: list[dict]) -> float:
@@ -289,8 +317,10 @@ def _qk_clip(pm: ParallelModel, cfg, tau: float, device: torch.device) -> dict:
     """QK-Clip after the optimizer step (`train.qk_clip`) and its metrics."""
     tp = pm.dims.tp
     offset = 0 if tp == 1 else pm.meshes.tp.get_local_rank() * (cfg.num_attention_heads // tp)
-    S = qk_clip(pm.model, tau, cfg.num_hidden_layers, cfg.num_attention_heads, device, offset)
+    S = qk_clip(pm.model, tau, cfg.num_layers_with_mtp, cfg.num_attention_heads, device, offset)
     mla = [i for i, t in enumerate(cfg.layer_types) if t == "mla"]
+    if cfg.num_nextn_predict_layers and cfg.mtp_layer_type == "mla":
+        mla.append(cfg.num_hidden_layers)  # the MTP layer
     return qk_clip_metrics(S, tau, mla)
 
 

@@ -293,7 +293,7 @@ def worker(ctx: common.Ctx, out: dict) -> bool:
             t0 = time.perf_counter()
             with prof as p, sw as w:
                 with syncs.step if syncs else contextlib.nullcontext():
-                    loss, ntok, gnorm, _ = train_step(pm, optimizer, batches, env,
+                    loss, ntok, gnorm, *_ = train_step(pm, optimizer, batches, env,
                                                       job.optim.grad_clip, syncs)
             if cuda:
                 torch.cuda.synchronize()

@@ -4,9 +4,9 @@
 over fake CUDA tensors), with every backend forced to its CUDA choice (fla KDA, varlen
 attention, `_grouped_mm`: their custom ops' fake implementations stand in), these trace with no
 DataDependentOutputException / DynamicOutputShapeException, i.e. no op that would make a GPU
-wait for the host: a packed-document forward+backward of `debug`, one `forward_stage` of a
-pipeline stage, and forward+backward of one decoder layer of each type of the full `k3` preset
-at real width (4096 tokens, bf16).
+wait for the host: a packed-document forward+backward of `debug` (also with MTP), one
+`forward_stage` of a pipeline stage, and forward+backward of one decoder layer of each type of
+the full `k3` preset at real width (4096 tokens, bf16).
 (b) In a real CPU step the host-sync counter (`train.host_syncs`) sees nothing inside the
 model's forward and backward; the whole-step figures are checked in `tests/e2e/test_pretrain.py`.
 """
@@ -37,9 +37,10 @@ def _fake_packing(batch: int, seq: int, docs_per_row: int) -> Packing:
     return Packing(batch, seq, "cpu", cu, max_seqlen=seq)
 
 
-@pytest.mark.parametrize("forced", [True, False], ids=["cuda_backends", "cpu_backends"])
-def test_debug_packed_step_traces_under_fake_tensors(forced):
-    cfg = debug_config()
+@pytest.mark.parametrize("forced,mtp", [(True, 0), (False, 0), (True, 1)],
+                         ids=["cuda_backends", "cpu_backends", "mtp_cuda_backends"])
+def test_debug_packed_step_traces_under_fake_tensors(forced, mtp):
+    cfg = debug_config(num_nextn_predict_layers=mtp)
     model = K3Model(cfg, device="meta")
     with force_cuda_backends(forced), FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device="cpu")
