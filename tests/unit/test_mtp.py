@@ -2,7 +2,8 @@
 final states and the embedding: targets from the document boundaries (not the labels), each
 document's MTP layer run on that document alone, RMSNorm and the cross-entropy written out;
 the [0 0 I] AttnRes-feature projection passes the final state; a zero weight leaves the main
-loss and every shared gradient as without MTP; bad settings name the field."""
+loss and every shared gradient as without MTP; bad settings name the field; `model.inspect`
+counts the module apart; its matrices join Muon's blocks and its MLA QK-Clip."""
 
 from __future__ import annotations
 
@@ -117,3 +118,33 @@ def test_bad_mtp_settings_name_the_field(kw, field):
     with pytest.raises(ConfigError, match=field) as e:
         debug_config(**kw)
     assert "\n" not in str(e.value)
+
+
+def test_inspect_counts_mtp_apart():
+    from model.inspect import describe
+
+    base = describe("debug")
+    on = describe("debug", {"num_nextn_predict_layers": 1})
+    model = tiny_model(num_nextn_predict_layers=1)
+    assert on["mtp_params"] == sum(p.numel() for p in model.mtp.parameters()) > 0
+    assert 0 < on["mtp_active_params"] < on["mtp_params"]  # routed experts count top-k / E
+    for key in ("total_params", "active_params", "embedding_params"):
+        assert on[key] == base[key], key
+    assert base["mtp_params"] == 0
+
+
+def test_mtp_joins_muon_blocks_and_qk_clip():
+    from train.muon import Blocks, muon_blocks
+    from train.qk_clip import mla_modules
+
+    model = tiny_model(num_nextn_predict_layers=1)
+    blocks = muon_blocks(model)
+    cfg = model.config
+    assert blocks["mtp.layer.self_attn.q_b_proj.weight"] == Blocks((cfg.qk_head_dim,))  # heads
+    assert blocks["mtp.layer.self_attn.kv_b_proj.weight"] == Blocks(
+        (cfg.qk_nope_head_dim, cfg.v_head_dim))
+    assert blocks["mtp.eh_proj.weight"] == Blocks()
+    assert blocks["mtp.layer.block_sparse_moe.experts.w1"] == Blocks()  # each expert alone
+    assert not any(n.startswith(("mtp.enorm", "mtp.hnorm", "mtp.shared_head")) for n in blocks)
+    assert "mtp.layer.block_sparse_moe.gate.weight" not in blocks  # the router: AdamW
+    assert mla_modules(model)[-1] == (cfg.num_hidden_layers, model.mtp.layer.self_attn)

@@ -81,14 +81,17 @@ def test_clip_folded_into_fused_adamw_matches_scaling_the_gradients(max_norm):
 
 @pytest.mark.parametrize("recipe, hidden", [("k3_small", 2048), ("k3", 7168)])
 def test_recipes_are_the_presets_with_muon(recipe, hidden):
-    """`+recipe=<preset>` composes the model preset with optim=muon (QK-Clip at 100), and
-    validates; the preset alone keeps AdamW."""
+    """`+recipe=<preset>` composes the model preset with optim=muon (QK-Clip at 100) and one
+    MTP layer (AttnRes features of blocks 1 and 4), and validates; the preset alone keeps AdamW
+    and no MTP."""
     from launch.pretrain import load_job
 
     job = load_job(["+cluster=local_cpu", f"+recipe={recipe}"], 1)
     assert (job.model.hidden_size, job.optim.name, job.optim.qk_clip_tau) == (hidden, "muon",
                                                                               100.0)
-    assert load_job(["+cluster=local_cpu", f"model={recipe}"], 1).optim.name == "adamw"
+    assert (job.model.num_nextn_predict_layers, job.model.mtp_attn_res_blocks) == (1, [1, 4])
+    plain = load_job(["+cluster=local_cpu", f"model={recipe}"], 1)
+    assert (plain.optim.name, plain.model.num_nextn_predict_layers) == ("adamw", 0)
 
 
 @pytest.mark.parametrize("override, message", [
