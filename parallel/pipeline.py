@@ -25,18 +25,23 @@ from model.decoder import K3Model
 
 
 def layer_costs(cfg: ModelConfig) -> list[float]:
-    """Per-layer cost: active parameters (FLOPs per token are ~6x that) of each decoder layer."""
+    """Per-layer cost: active parameters (FLOPs per token are ~6x that) of each decoder layer;
+    the MTP module (on the last stage) is added to the last layer's."""
     model = K3Model(cfg, device="meta")
-    costs = []
-    for layer in model.layers.values():
-        n = 0
-        for name, p in layer.named_parameters():
-            if ".experts." in name:  # routed experts: only top-k of E are active
-                n += p.numel() * cfg.num_experts_per_token // cfg.num_experts
-            else:
-                n += p.numel()
-        costs.append(float(n))
+    costs = [_active(layer, cfg) for layer in model.layers.values()]
+    if model.mtp is not None:  # its own tensors, and the second pass through the LM head
+        costs[-1] += _active(model.mtp, cfg) + float(cfg.vocab_size * cfg.hidden_size)
     return costs
+
+
+def _active(module: nn.Module, cfg: ModelConfig) -> float:
+    n = 0
+    for name, p in module.named_parameters():
+        if ".experts." in name:  # routed experts: only top-k of E are active
+            n += p.numel() * cfg.num_experts_per_token // cfg.num_experts
+        else:
+            n += p.numel()
+    return float(n)
 
 
 def split_stages(cfg: ModelConfig, num_stages: int) -> list[list[int]]:
