@@ -1,4 +1,5 @@
-"""The K3 decoder: embedding, 93 (or fewer) hybrid layers with Block AttnRes, final mix, head.
+"""The K3 decoder: embedding, 93 (or fewer) hybrid layers with Block AttnRes, final mix, head,
+and, with `num_nextn_predict_layers=1`, the MTP module (`model.mtp`) on the final state.
 
 The AttnRes state is two tensors that flow from layer to layer (and, later, between pipeline
 stages): `prefix` [B, T, d], the running sum of the current block, and `blocks` [n, B, T, d],

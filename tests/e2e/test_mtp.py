@@ -1,8 +1,8 @@
 """End-to-end MTP (`model.num_nextn_predict_layers=1`) under the real launcher, in the fp64
 verification mode: one rank trains and logs `mtp_loss`, its router is Quantile-Balanced like
 every other (its row in the load statistics, its bias moved); 2 pipeline stages (the MTP
-module on the last, the next-token embeddings carried from the first), tensor parallel 2 and
-expert parallel 2 give the same losses, MTP losses, gradient norms and parameters; the step-2
+module on the last, the next-token embeddings carried from the first) and tensor parallel 2
+with expert parallel 2 give the same losses, MTP losses, gradient norms and parameters; the step-2
 checkpoint resumes bit for bit; the HF export writes the MTP layer as layer num_hidden_layers
 in DeepSeek-V3's names and reads back."""
 
@@ -45,8 +45,11 @@ def test_mtp_trains_logs_and_balances_its_router(one):
     assert bias.abs().sum() > 0  # moved by Quantile Balancing
 
 
-@pytest.mark.parametrize("layout", [["parallel.pp=2"], ["parallel.tp=2"], ["parallel.ep=2"]])
+@pytest.mark.parametrize("layout", [["parallel.pp=2"], ["parallel.tp=2", "parallel.ep=2"]],
+                         ids=["pp2", "tp2_ep2"])
 def test_mtp_layouts_equal_one_rank(one, tmp_path, layout):
+    """2 pipeline stages; tensor parallel 2 with the experts over ep 2 (borrowing the tp ranks:
+    the MTP layer's MLA split by heads, its experts by ep)."""
     run = tmp_path / "two"
     pretrain(run, *FP64, *layout, nproc=2)
     for r, g in zip(metrics(one), metrics(run), strict=True):

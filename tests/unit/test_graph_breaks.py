@@ -11,7 +11,8 @@ mode, fp32, several packed documents per row, a fresh `Packing` as each micro-ba
 The fast ops are single `torch.ops.k3.*` nodes. Compiled (`fullgraph=True`, aot_eager) equals
 eager for each layer type, Quantile-Balancing counts included, also when the compiled layer is
 checkpointed (recomputation must not count twice). `apply_compile` gives every layer its graph
-even when there are more distinct layers than dynamo's default recompile limit.
+even when there are more distinct layers than dynamo's default recompile limit. The MTP
+module's layer (no AttnRes state) is one graph as well.
 """
 
 from __future__ import annotations
@@ -198,3 +199,18 @@ def test_debug_config_has_the_layer_types():
     cfg = debug_config()
     assert [cfg.layer_type(i) for i in LAYERS.values()] == ["kda", "kda", "mla"]
     assert [cfg.is_moe_layer(i) for i in LAYERS.values()] == [False, True, True]
+
+
+def test_mtp_layer_is_one_graph():
+    """The MTP module's decoder layer (no AttnRes state: a plain residual layer) is one graph
+    too, with no AttnRes mix in it."""
+    model = tiny_model(num_nextn_predict_layers=1)
+    model.train()
+    ids, _, cu = packed_batch(batch=2, seq=64)
+    x = torch.randn(*ids.shape, model.config.hidden_size, requires_grad=True)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model.mtp.layer)(x, x.new_zeros((0, *x.shape)),
+                                                       _fresh(cu, ids.shape))
+    _assert_one_graph(explained, "mtp")
+    ops = _k3_ops(explained.graphs)
+    assert "k3.attnres_mix.default" not in ops and ops["k3.grouped_mm.default"] == 3, ops
