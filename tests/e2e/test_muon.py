@@ -1,10 +1,10 @@
 """End-to-end `optim=muon` (Per-Head Muon + AdamW, QK-Clip) under the real launcher, in the
 fp64 verification mode with tau 2 so that QK-Clip rescales heads every step (the debug model's
 logit bounds are ~3-6): one rank trains (loss falls, QK-Clip's metrics logged); layouts on
-4 ranks (dp 4; tp 2 x dp 2 with ep 4; pp 2 x dp 2; ep 2 x expert FSDP 2) and tp 2 alone give
-the same losses, gradient norms, clipped heads and parameters; step-3 checkpoints resume on one
-rank, bit for bit from one rank's and to the same numbers from tp 2 x dp 2 x ep 4's (Muon's
-momentum and AdamW's moments resharded through DCP)."""
+4 ranks (dp 4; tp 2 x dp 2 with ep 4; pp 2 x dp 2) and tp 2 alone give the same losses,
+gradient norms, clipped heads and parameters; step-3 checkpoints resume on one rank, bit for
+bit from one rank's and to the same numbers from tp 2 x dp 2 x ep 4's (Muon's momentum and
+AdamW's moments resharded through DCP)."""
 
 from __future__ import annotations
 
@@ -49,7 +49,8 @@ def test_muon_trains_and_logs_qk_clip(one):
 @pytest.fixture(scope="module")
 def tp_dp(tmp_path_factory):
     run = tmp_path_factory.mktemp("muon") / "tp_dp"
-    pretrain(run, *FP64, "parallel.tp=2", "parallel.dp_shard=2", "parallel.ep=4", nproc=4)
+    pretrain(run, *FP64, "train.stop_at_step=3", "parallel.tp=2", "parallel.dp_shard=2",
+             "parallel.ep=4", nproc=4)
     return run
 
 
@@ -57,21 +58,23 @@ def test_muon_tp2_dp2_ep4_equals_one_rank(one, tp_dp):
     """4 ranks, FSDP x TP with the experts over ep 4 (borrowing the tp ranks): per-head blocks
     and experts local, the matrices TP splits on owners that join only TP's shards,
     tp-replicated ones on owners."""
-    for r, g in zip(metrics(one), metrics(tp_dp), strict=True):
+    got = metrics(tp_dp)
+    assert len(got) == 3
+    for r, g in zip(metrics(one), got):
         _close(g, r)
-    assert len(assert_parameters_equal(one, tp_dp, 5)) > 50
+    assert len(assert_parameters_equal(one, tp_dp, 3)) > 50
 
 
 @pytest.mark.parametrize("layout,nproc", [
     (["parallel.dp_shard=4"], 4),
     (["parallel.pp=2", "parallel.dp_shard=2"], 4),
-    (["parallel.dp_shard=4", "parallel.ep=2"], 4),
     (["parallel.tp=2"], 2),
-], ids=["dp4", "pp2_dp2", "ep2_edp2", "tp2"])
+], ids=["dp4", "pp2_dp2", "tp2"])
 def test_muon_layouts_equal_one_rank(one, tmp_path, layout, nproc):
-    """3 steps: FSDP over 4 (the owner exchange), 2 stages x FSDP 2, expert parallel 2 x expert
-    FSDP 2, and tensor parallel alone (row-split matrices on owners over tp, column-split ones
-    gathered)."""
+    """3 steps: FSDP over 4 (the owner exchange), 2 stages x FSDP 2, and tensor parallel alone
+    (row-split matrices on owners over tp, column-split ones gathered). Experts 2-D sharded
+    over expert FSDP x ep stay local (`tests/unit/test_muon.py` pins the route; their update
+    is the local path every layout here takes)."""
     run = tmp_path / "run"
     pretrain(run, *FP64, "train.stop_at_step=3", *layout, nproc=nproc)
     got = metrics(run)
@@ -86,9 +89,9 @@ def test_muon_checkpoint_resumes_on_one_rank(one, tp_dp, tmp_path):
     bit; tp 2 x dp 2 x ep 4's step-3 checkpoint (Muon's momentum and AdamW's moments 2-D
     sharded) continued on one rank gives the same losses and parameters."""
     same, other = tmp_path / "same", tmp_path / "other"
-    for src, d in ((one, same), (tp_dp, other)):  # each run as it was at step 3
-        shutil.copytree(src, d)
-        shutil.rmtree(d / "checkpoints" / "step-00000005")
+    shutil.copytree(one, same)  # the run as it was at step 3
+    shutil.rmtree(same / "checkpoints" / "step-00000005")
+    shutil.copytree(tp_dp, other)  # stopped at step 3
     pretrain_concurrently((same, FP64), (other, FP64))
     ref = losses(one)
     assert losses(same) == ref

@@ -53,20 +53,17 @@ def runs(tmp_path_factory):
     for name, extra in LAYOUTS.items():
         out[name] = root / name
         pretrain(out[name], *ARGS, IMAGES, *extra, nproc=4, timeout=600)
-    for name in SCHEDULES:
+    for name, extra in SCHEDULES.items():
         out[name] = root / name
-    pretrain_concurrently(*[(out[name], [*ARGS, "train.stop_at_step=2", "parallel.pp=2", *extra],
-                             {"nproc": 2}) for name, extra in SCHEDULES.items()])
+        pretrain(out[name], *ARGS, "train.stop_at_step=2", "parallel.pp=2", *extra, nproc=2)
     pretrain(out["pp2_tp2_fp32"], *fp32, *LAYOUTS["pp2_tp2"], nproc=4, timeout=600)
     # layout switches at step 3, then the run goes on unchanged: one rank -> pp2 x dp2 (zero-
-    # bubble V); tp2 x dp2 x ep2 -> one rank (the two at once)
-    jobs = []
+    # bubble V); tp2 x dp2 x ep2 -> one rank
     for name, src, extra, nproc in (("to_zbv", "ref", ZBV, 4), ("to_one", "tp2_dp2", [], 1)):
         out[name] = root / name
         shutil.copytree(out[src] / "checkpoints" / "step-00000003",
                         out[name] / "checkpoints" / "step-00000003")
-        jobs.append((out[name], [*ARGS, *extra], {"nproc": nproc, "timeout": 600}))
-    pretrain_concurrently(*jobs)
+        pretrain(out[name], *ARGS, *extra, nproc=nproc, timeout=600)
     return out
 
 
