@@ -46,7 +46,9 @@ class DecoderLayer(nn.Module):
         self.attn_res_eps = cfg.attn_res_eps
         self.self_attn = (GatedMLA(cfg, device) if self.layer_type == "mla"
                           else KimiDeltaAttention(cfg, device))
-        if cfg.is_moe_layer(layer_idx) if moe is None else moe:
+        if moe is None:
+            moe = cfg.is_moe_layer(layer_idx)
+        if moe:
             self.block_sparse_moe = LatentMoE(cfg, device)
         else:
             self.mlp = SiTUMLP(d, cfg.intermediate_size, cfg.activation_situ_beta,

@@ -145,16 +145,13 @@ def stage_io_meta(cfg: ModelConfig, splits: list[list[int]], stage: int, micro_b
     local_t = seq_len // tp  # sequence parallelism: each tp rank holds a slice of every row
     d, bs = cfg.hidden_size, cfg.attn_res_block_size
 
+    def act(*lead: int) -> torch.Tensor:
+        return torch.empty(*lead, micro_batch, local_t, d, dtype=dtype, device="meta",
+                           requires_grad=True)
+
     def state(layer: int) -> tuple[torch.Tensor, ...]:
-        n = -(-layer // bs)
-        out = (torch.empty(micro_batch, local_t, d, dtype=dtype, device="meta",
-                           requires_grad=True),
-               torch.empty(n, micro_batch, local_t, d, dtype=dtype, device="meta",
-                           requires_grad=True))
-        if cfg.num_nextn_predict_layers:
-            out += (torch.empty(micro_batch, local_t, d, dtype=dtype, device="meta",
-                                requires_grad=True),)
-        return out
+        prefix_blocks = (act(), act(-(-layer // bs)))
+        return prefix_blocks + (act(),) * cfg.num_nextn_predict_layers  # + e_next with MTP
 
     first, last = splits[stage][0], splits[stage][-1] + 1
     inputs = ((torch.empty(micro_batch, seq_len, dtype=torch.long, device="meta"),)
