@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.runs import assert_parameters_equal, metrics, pretrain
+from tests.helpers.runs import assert_parameters_equal, metrics, pretrain, pretrain_many
 
 ARGS = ["train.steps=6", "checkpoint.interval=3", "cluster.param_dtype=fp64"]
 LAYOUTS = {
@@ -35,11 +35,11 @@ SYNCS = ["train.steps=1", "parallel.ep=2", "parallel.activation_checkpoint=selec
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ep")
     out = {n: root / n for n in ("ref", *LAYOUTS)}
-    pretrain(out["ref"], *ARGS)
-    for name, (extra, nproc) in LAYOUTS.items():
-        pretrain(out[name], *ARGS, *extra, nproc=nproc, timeout=600)
     out["syncs"] = root / "syncs"
-    pretrain(out["syncs"], *SYNCS, nproc=2, timeout=600)
+    pretrain(out["ref"], *ARGS)
+    for nproc in (2, 4):  # one launch per world size
+        jobs = [(out[name], [*ARGS, *extra]) for name, (extra, n) in LAYOUTS.items() if n == nproc]
+        pretrain_many(jobs + ([(out["syncs"], SYNCS)] if nproc == 2 else []), nproc=nproc)
     return out
 
 

@@ -19,6 +19,7 @@ from tests.helpers.runs import (
     metrics,
     pretrain,
     pretrain_concurrently,
+    pretrain_many,
 )
 from train.export_hf import export_hf, load_hf_state_dict, load_model
 
@@ -45,13 +46,24 @@ def test_mtp_trains_logs_and_balances_its_router(one):
     assert bias.abs().sum() > 0  # moved by Quantile Balancing
 
 
-@pytest.mark.parametrize("layout", [["parallel.pp=2"], ["parallel.tp=2", "parallel.ep=2"]],
-                         ids=["pp2", "tp2_ep2"])
-def test_mtp_layouts_equal_one_rank(one, tmp_path, layout):
-    """2 pipeline stages; tensor parallel 2 with the experts over ep 2 (borrowing the tp ranks:
-    the MTP layer's MLA split by heads, its experts by ep)."""
-    run = tmp_path / "two"
-    pretrain(run, *FP64, *layout, nproc=2)
+LAYOUTS = {  # 2 ranks each
+    "pp2": ["parallel.pp=2"],
+    # the experts over ep 2 borrow the tp ranks: the MTP layer's MLA split by heads, its
+    # experts by ep
+    "tp2_ep2": ["parallel.tp=2", "parallel.ep=2"],
+}
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mtp_layouts")
+    pretrain_many([(root / name, [*FP64, *extra]) for name, extra in LAYOUTS.items()], nproc=2)
+    return {name: root / name for name in LAYOUTS}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_mtp_layouts_equal_one_rank(one, layouts, name):
+    run = layouts[name]
     for r, g in zip(metrics(one), metrics(run), strict=True):
         for key, rtol in (("loss", 1e-9), ("mtp_loss", 1e-9), ("grad_norm", 1e-6)):
             assert abs(g[key] - r[key]) <= rtol * abs(r[key]), (key, r, g)

@@ -18,6 +18,7 @@ from tests.helpers.runs import (
     metrics,
     pretrain,
     pretrain_concurrently,
+    pretrain_many,
 )
 
 FP64 = ["optim=muon", "train.steps=5", "checkpoint.interval=3", "cluster.param_dtype=fp64",
@@ -46,52 +47,46 @@ def test_muon_trains_and_logs_qk_clip(one):
         assert m["attn_logit_max"] == max(m["attn_logit_max_per_layer"])
 
 
+LAYOUTS = {  # 3 steps each
+    # FSDP x TP with the experts over ep 4 (borrowing the tp ranks): per-head blocks and experts
+    # local, the matrices TP splits on owners that join only TP's shards, tp-replicated ones on
+    # owners
+    "tp2_dp2_ep4": (["parallel.tp=2", "parallel.dp_shard=2", "parallel.ep=4"], 4),
+    "dp4": (["parallel.dp_shard=4"], 4),  # FSDP over 4: the owner exchange
+    "pp2_dp2": (["parallel.pp=2", "parallel.dp_shard=2"], 4),  # 2 stages x FSDP 2
+    # tensor parallel alone: row-split matrices on owners over tp, column-split ones gathered
+    "tp2": (["parallel.tp=2"], 2),
+}
+
+
 @pytest.fixture(scope="module")
-def tp_dp(tmp_path_factory):
-    run = tmp_path_factory.mktemp("muon") / "tp_dp"
-    pretrain(run, *FP64, "train.stop_at_step=3", "parallel.tp=2", "parallel.dp_shard=2",
-             "parallel.ep=4", nproc=4)
-    return run
+def layouts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("muon")
+    for nproc in (4, 2):  # one launch per world size
+        pretrain_many([(root / name, [*FP64, "train.stop_at_step=3", *extra])
+                       for name, (extra, n) in LAYOUTS.items() if n == nproc], nproc=nproc)
+    return {name: root / name for name in LAYOUTS}
 
 
-def test_muon_tp2_dp2_ep4_equals_one_rank(one, tp_dp):
-    """4 ranks, FSDP x TP with the experts over ep 4 (borrowing the tp ranks): per-head blocks
-    and experts local, the matrices TP splits on owners that join only TP's shards,
-    tp-replicated ones on owners."""
-    got = metrics(tp_dp)
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_muon_layouts_equal_one_rank(one, layouts, name):
+    """Experts 2-D sharded over expert FSDP x ep stay local (`tests/unit/test_muon.py` pins
+    the route; their update is the local path every layout here takes)."""
+    got = metrics(layouts[name])
     assert len(got) == 3
     for r, g in zip(metrics(one), got):
         _close(g, r)
-    assert len(assert_parameters_equal(one, tp_dp, 3)) > 50
+    assert len(assert_parameters_equal(one, layouts[name], 3)) > 50
 
 
-@pytest.mark.parametrize("layout,nproc", [
-    (["parallel.dp_shard=4"], 4),
-    (["parallel.pp=2", "parallel.dp_shard=2"], 4),
-    (["parallel.tp=2"], 2),
-], ids=["dp4", "pp2_dp2", "tp2"])
-def test_muon_layouts_equal_one_rank(one, tmp_path, layout, nproc):
-    """3 steps: FSDP over 4 (the owner exchange), 2 stages x FSDP 2, and tensor parallel alone
-    (row-split matrices on owners over tp, column-split ones gathered). Experts 2-D sharded
-    over expert FSDP x ep stay local (`tests/unit/test_muon.py` pins the route; their update
-    is the local path every layout here takes)."""
-    run = tmp_path / "run"
-    pretrain(run, *FP64, "train.stop_at_step=3", *layout, nproc=nproc)
-    got = metrics(run)
-    assert len(got) == 3
-    for r, g in zip(metrics(one), got):
-        _close(g, r)
-    assert len(assert_parameters_equal(one, run, 3)) > 50
-
-
-def test_muon_checkpoint_resumes_on_one_rank(one, tp_dp, tmp_path):
+def test_muon_checkpoint_resumes_on_one_rank(one, layouts, tmp_path):
     """Step 3's checkpoint continued to step 5 on one rank repeats the straight run bit for
     bit; tp 2 x dp 2 x ep 4's step-3 checkpoint (Muon's momentum and AdamW's moments 2-D
     sharded) continued on one rank gives the same losses and parameters."""
     same, other = tmp_path / "same", tmp_path / "other"
     shutil.copytree(one, same)  # the run as it was at step 3
     shutil.rmtree(same / "checkpoints" / "step-00000005")
-    shutil.copytree(tp_dp, other)  # stopped at step 3
+    shutil.copytree(layouts["tp2_dp2_ep4"], other)  # stopped at step 3
     pretrain_concurrently((same, FP64), (other, FP64))
     ref = losses(one)
     assert losses(same) == ref

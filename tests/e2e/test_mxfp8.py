@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.runs import losses, pretrain, pretrain_concurrently
+from tests.helpers.runs import losses, pretrain_concurrently, pretrain_many
 
-ARGS = ["train.steps=50", "checkpoint.enabled=false", "data.micro_batch=4"]
+ARGS = ["train.steps=30", "checkpoint.enabled=false", "data.micro_batch=4"]
 
 
 @pytest.fixture(scope="module")
@@ -16,11 +16,13 @@ def runs(tmp_path_factory):
            "mx_tp_ep": root / "tp_ep"}
     _, r = pretrain_concurrently((out["fp32"], ARGS), (out["mx"], [*ARGS, "precision=mxfp8"]))
     out["log"] = r.stdout
-    pretrain(out["mx2"], *ARGS, "train.stop_at_step=8", "precision=mxfp8", nproc=2)
-    # tp 2 on 2 ranks with the experts spread over the same two ranks (ep borrows tp ranks),
-    # and per-op activation checkpointing recomputing the MX GEMMs' neighbours
-    pretrain(out["mx_tp_ep"], *ARGS, "train.stop_at_step=8", "precision=mxfp8", "parallel.tp=2",
-             "parallel.ep=2", "parallel.activation_checkpoint=selective", nproc=2)
+    mx = [*ARGS, "precision=mxfp8"]
+    # FSDP 2; tp 2 on 2 ranks with the experts spread over the same two ranks (ep borrows tp
+    # ranks), and per-op activation checkpointing recomputing the MX GEMMs' neighbours
+    pretrain_many([(out["mx2"], [*mx, "train.stop_at_step=8"]),
+                   (out["mx_tp_ep"], [*mx, "train.stop_at_step=4", "parallel.tp=2",
+                                      "parallel.ep=2",
+                                      "parallel.activation_checkpoint=selective"])], nproc=2)
     return out
 
 
@@ -30,10 +32,10 @@ def test_log_names_the_backend(runs):
 
 def test_mxfp8_ends_within_two_percent_of_fp32(runs):
     fp32, mx = losses(runs["fp32"]), losses(runs["mx"])
-    assert len(mx) == 50
+    assert len(mx) == 30
     assert mx != fp32  # the quantised run is really different
-    end_fp32 = sum(fp32[s] for s in range(46, 51)) / 5
-    end_mx = sum(mx[s] for s in range(46, 51)) / 5
+    end_fp32 = sum(fp32[s] for s in range(26, 31)) / 5
+    end_mx = sum(mx[s] for s in range(26, 31)) / 5
     assert abs(end_mx - end_fp32) <= 0.02 * end_fp32, (end_mx, end_fp32)
     assert end_mx < mx[1] - 1.0  # and it trains
 
@@ -54,5 +56,6 @@ def test_mxfp8_composes_with_tensor_and_expert_parallelism_and_checkpointing(run
     parallelism and EP order and group differently, so later steps agree to MX noise only."""
     one, got = losses(runs["mx"]), losses(runs["mx_tp_ep"])
     assert abs(got[1] - one[1]) <= 1e-5 * one[1], (got[1], one[1])
-    for s in range(2, 9):
+    assert sorted(got) == [1, 2, 3, 4]
+    for s in range(2, 5):
         assert abs(got[s] - one[s]) <= 1e-2 * one[s], (s, got[s], one[s])

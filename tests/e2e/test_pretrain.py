@@ -1,8 +1,8 @@
 """End-to-end: the real launcher under torchrun on CPU (gloo), FSDP2, DCP checkpoints, resume.
 
 The runs are shared by the tests of this module (each costs seconds): A = 2 ranks straight to
-step 12; B = 2 ranks stopped at 8 then resumed by the same command; C = 1 rank straight, counting
-host synchronisations.
+step 12; B = 2 ranks stopped at 8 (A and B in one launch, `pretrain_many`), then resumed by the
+launcher's same command; C = 1 rank straight, counting host synchronisations.
 Resuming on another world size and layout: `test_tensor_pipeline.py`.
 """
 
@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from tests.helpers.runs import losses, metrics, pretrain, sample_ids
+from tests.helpers.runs import losses, metrics, pretrain, pretrain_many, sample_ids
 
 STEPS = ["train.steps=12", "checkpoint.interval=4"]
 
@@ -31,10 +31,8 @@ def assert_losses_match(got: dict[int, float], ref: dict[int, float]) -> None:
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
     out = {}
-    out["A"] = root / "A"
-    pretrain(out["A"], *STEPS, nproc=2)
-    out["B"] = root / "B"
-    pretrain(out["B"], *STEPS, "train.stop_at_step=8", nproc=2)
+    out["A"], out["B"] = root / "A", root / "B"
+    pretrain_many([(out["A"], STEPS), (out["B"], [*STEPS, "train.stop_at_step=8"])], nproc=2)
     out["B_first"] = losses(out["B"])
     pretrain(out["B"], *STEPS, nproc=2)  # the same command: resumes from step 8
     out["C"] = root / "C"

@@ -21,6 +21,7 @@ from tests.helpers.runs import (
     metrics,
     pretrain,
     pretrain_concurrently,
+    pretrain_many,
 )
 
 ARGS = ["train.steps=5", "checkpoint.interval=3", "cluster.param_dtype=fp64"]
@@ -46,25 +47,25 @@ SCHEDULES = {
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp_pp")
-    out = {"ref": root / "ref"}
+    out = {n: root / n for n in ("ref", "ref_fp32", "pp2_tp2_fp32", "to_zbv", "to_one",
+                                 *LAYOUTS, *SCHEDULES)}
     fp32 = ["train.steps=3", "checkpoint.enabled=false"]
-    out["ref_fp32"], out["pp2_tp2_fp32"] = root / "ref_fp32", root / "pp2_tp2_fp32"
     pretrain_concurrently((out["ref"], [*ARGS, IMAGES]), (out["ref_fp32"], fp32))  # 1 rank each
-    for name, extra in LAYOUTS.items():
-        out[name] = root / name
-        pretrain(out[name], *ARGS, IMAGES, *extra, nproc=4, timeout=600)
-    for name, extra in SCHEDULES.items():
-        out[name] = root / name
-        pretrain(out[name], *ARGS, "train.stop_at_step=2", "parallel.pp=2", *extra, nproc=2)
-    pretrain(out["pp2_tp2_fp32"], *fp32, *LAYOUTS["pp2_tp2"], nproc=4, timeout=600)
     # layout switches at step 3, then the run goes on unchanged: one rank -> pp2 x dp2 (zero-
     # bubble V); tp2 x dp2 x ep2 -> one rank
-    for name, src, extra, nproc in (("to_zbv", "ref", ZBV, 4), ("to_one", "tp2_dp2", [], 1)):
-        out[name] = root / name
-        shutil.copytree(out[src] / "checkpoints" / "step-00000003",
-                        out[name] / "checkpoints" / "step-00000003")
-        pretrain(out[name], *ARGS, *extra, nproc=nproc, timeout=600)
+    _copy_step3(out["ref"], out["to_zbv"])
+    pretrain_many([*((out[n], [*ARGS, IMAGES, *e]) for n, e in LAYOUTS.items()),
+                   (out["pp2_tp2_fp32"], [*fp32, *LAYOUTS["pp2_tp2"]]),
+                   (out["to_zbv"], [*ARGS, *ZBV])], nproc=4)
+    pretrain_many([(out[n], [*ARGS, "train.stop_at_step=2", "parallel.pp=2", *e])
+                   for n, e in SCHEDULES.items()], nproc=2)
+    _copy_step3(out["tp2_dp2"], out["to_one"])
+    pretrain(out["to_one"], *ARGS)
     return out
+
+
+def _copy_step3(src, dst):
+    shutil.copytree(src / "checkpoints" / "step-00000003", dst / "checkpoints" / "step-00000003")
 
 
 def _close(got: float, ref: float, rel: float = 1e-4) -> bool:

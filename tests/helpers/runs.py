@@ -34,6 +34,29 @@ def pretrain(run_dir: Path, *overrides: str, nproc: int = 1, env: dict | None = 
     return r
 
 
+def pretrain_many(jobs: list[tuple[Path, list[str]]], nproc: int, timeout: int = 900,
+                  env: dict | None = None) -> subprocess.CompletedProcess:
+    """Train several (run_dir, overrides) jobs one after another in a single `nproc`-rank
+    launch (`tests/helpers/multirun.py`: start-up paid once); rank 0's console output of each
+    job is in `<run_dir>.stdout`. Each job is the `pretrain(run_dir, *overrides)` it replaces."""
+    import tempfile
+
+    jobs_json = [[str(d), ["+cluster=local_cpu", f"run.dir={d}", *FAST, *o]] for d, o in jobs]
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(jobs_json, f)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={nproc}", str(ROOT / "tests" / "helpers" / "multirun.py"), f.name]
+    if nproc == 1:
+        cmd = [sys.executable, *cmd[-2:]]
+    r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+                       capture_output=True, text=True, timeout=timeout)
+    os.unlink(f.name)
+    if r.returncode != 0:
+        raise AssertionError(f"pretrain_many failed ({r.returncode}):\n{r.stdout[-3000:]}\n"
+                             f"{r.stderr[-5000:]}")
+    return r
+
+
 def pretrain_concurrently(*jobs: tuple) -> list[subprocess.CompletedProcess]:
     """Run several `pretrain(run_dir, *overrides, **kw)` jobs, given as (run_dir, overrides,
     kw), at the same time: single-rank runs use one core each (OMP_NUM_THREADS=1), and
