@@ -114,6 +114,10 @@ class K3Model(nn.Module):
         # (h, head weight, labels, chunk) -> (loss sum, target count); tensor parallelism swaps
         # in the vocabulary-parallel version, like the MoE layer's dispatcher
         self.cross_entropy = chunked_cross_entropy
+        # context parallelism (`parallel.context_parallel`): (rank, size) of this rank's slice
+        # of every row; forwards then take whole rows of token ids (MTP embeds each slice's next
+        # tokens, the last of which opens the next slice) and labels for the slice only
+        self.context_shard: tuple[int, int] | None = None
 
     def embed(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids [B, T] -> the initial AttnRes state (prefix [B, T, d], blocks [0, B, T, d])."""
@@ -142,18 +146,38 @@ class K3Model(nn.Module):
 
         `cu_seqlens`: a prepared `Packing` (the trainer's: validated on the host, copied without
         blocking), or host boundaries [N+1], validated here before they move to the device."""
-        prefix, blocks = self.embed(input_ids)
-        prefix, blocks = self.run_layers(prefix, blocks, self.packing(input_ids, cu_seqlens))
+        packing = self.packing(input_ids, cu_seqlens)
+        prefix, blocks = self.embed(packing.window(input_ids))
+        prefix, blocks = self.run_layers(prefix, blocks, packing)
         return self.final_hidden(prefix, blocks)
 
-    @staticmethod
-    def packing(input_ids: torch.Tensor, cu_seqlens: torch.Tensor | Packing | None) -> Packing:
+    def packing(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | Packing | None
+                ) -> Packing:
+        """The boundaries of whole rows `input_ids` [B, T], as this rank's shard of them
+        under context parallelism."""
         if isinstance(cu_seqlens, Packing):
-            return cu_seqlens
-        B, T = input_ids.shape
-        if cu_seqlens is not None and cu_seqlens.device.type != "cpu":
-            return Packing(B, T, input_ids.device, cu_seqlens)  # on the device: not read back
-        return Packing.from_host(cu_seqlens, B, T, input_ids.device)
+            packing = cu_seqlens
+        else:
+            B, T = input_ids.shape
+            if cu_seqlens is not None and cu_seqlens.device.type != "cpu":
+                packing = Packing(B, T, input_ids.device, cu_seqlens)  # on the device: not read
+            else:
+                packing = Packing.from_host(cu_seqlens, B, T, input_ids.device)
+        return self._shard(packing)
+
+    def _shard(self, packing: Packing) -> Packing:
+        if self.context_shard is None or packing.context is not None:
+            return packing
+        return packing.shard(*self.context_shard)
+
+    def _embed_rows(self, input_ids: torch.Tensor, packing: Packing
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Whole rows of token ids -> this shard's (prefix, blocks, MTP's next-token
+        embeddings or None)."""
+        prefix, blocks = self.embed(packing.window(input_ids))
+        e_next = (self.embed_tokens(packing.window(next_token_ids(input_ids)))
+                  if self.mtp is not None else None)
+        return prefix, blocks, e_next
 
     def forward_stage(self, *inputs: torch.Tensor, cu_seqlens: torch.Tensor, seq_len: int,
                       max_seqlen: int | None = None, labels: torch.Tensor | None = None,
@@ -168,12 +192,10 @@ class K3Model(nn.Module):
         like every other micro-batch tensor); `seq_len` is T (a stage's inputs hold T / tp
         tokens under sequence parallelism) and `max_seqlen` a host bound of the step's longest
         document."""
-        packing = Packing(inputs[0].shape[0], seq_len, cu_seqlens.device, cu_seqlens.reshape(-1),
-                          max_seqlen)
+        packing = self._shard(Packing(inputs[0].shape[0], seq_len, cu_seqlens.device,
+                                      cu_seqlens.reshape(-1), max_seqlen))
         if first:
-            prefix, blocks = self.embed(inputs[0])
-            e_next = (self.embed_tokens(next_token_ids(inputs[0]))
-                      if self.config.num_nextn_predict_layers else None)
+            prefix, blocks, e_next = self._embed_rows(inputs[0], packing)
         else:
             prefix, blocks, *rest = inputs
             e_next = rest[0] if rest else None
@@ -217,12 +239,10 @@ class K3Model(nn.Module):
         run.
         """
         packing = self.packing(input_ids, cu_seqlens)
-        prefix, blocks = self.embed(input_ids)
+        prefix, blocks, e_next = self._embed_rows(input_ids, packing)
         prefix, blocks = self.run_layers(prefix, blocks, packing)
         if labels is None:
             return self.lm_head(self.final_hidden(prefix, blocks))
-        e_next = (self.embed_tokens(next_token_ids(input_ids)) if self.mtp is not None
-                  else None)
         return self._loss(prefix, blocks, e_next, packing, labels)
 
     def loss(self, input_ids: torch.Tensor, labels: torch.Tensor,

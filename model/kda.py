@@ -2,7 +2,9 @@
 
 Projections -> short convs (SiLU) -> `chunk_kda(gate=)` (per-head L2 norm of q/k, gate and beta
 activation, the recurrence: inside fla's kernels on CUDA) -> gated RMSNorm with the full-rank
-output gate -> output projection. The op lives in `model.ops.kda`. Gate
+output gate -> output projection. The op lives in `model.ops.kda`; `kda_op` is the
+recurrence over a `Packing` (`local_kda`; context parallelism installs its state-passing
+version, `parallel.context_parallel`). Gate
 (`model.ops.kda.kda_gate`): K3's lower-bounded `g_min * sigmoid(exp(A_log) * (f + dt_bias))`,
 or Kimi Linear's `-exp(A_log) * softplus(f + dt_bias)` when `gate_lower_bound` is None.
 """
@@ -17,6 +19,20 @@ from model.norms import GatedRMSNorm
 from model.ops.kda import KDAGate, chunk_kda
 from model.packing import Packing
 from model.short_conv import ShortConv
+
+
+def local_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor,
+              b: torch.Tensor, packing: Packing, gate: KDAGate, chunk_size: int) -> torch.Tensor:
+    """The KDA recurrence of [B, T, H, D] raw projections over `packing`'s documents (states
+    reset at document starts) -> o [B, T, H, D]."""
+    B, T, H, D = q.shape
+    if not packing.packed:
+        return chunk_kda(q, k, v, f, b, chunk_size=chunk_size, gate=gate)[0]
+    # varlen: one row of B*T tokens with per-document state resets
+    o, _ = chunk_kda(*(t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, f, b)),
+                     cu_seqlens=packing.cu_seqlens, chunk_size=chunk_size,
+                     cu_seqlens_cpu=packing.cu_seqlens_cpu, gate=gate)
+    return o.view(B, T, H, -1)
 
 
 class KimiDeltaAttention(nn.Module):
@@ -41,6 +57,7 @@ class KimiDeltaAttention(nn.Module):
         self.g_proj = lin(d, H * D)
         self.o_norm = GatedRMSNorm(D, cfg.rms_norm_eps, device)
         self.o_proj = lin(H * D, d)
+        self.kda_op = local_kda
 
     def forward(self, x: torch.Tensor, packing: Packing) -> torch.Tensor:
         B, T, _ = x.shape
@@ -52,12 +69,6 @@ class KimiDeltaAttention(nn.Module):
         f = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, D)  # gate pre-activation
         b = self.b_proj(x)  # [B, T, H] beta logits
         gate = KDAGate(self.A_log, self.dt_bias, self.lower_bound)
-        if packing.packed:  # varlen: one row of B*T tokens with per-document state resets
-            o, _ = chunk_kda(*(t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, f, b)),
-                             cu_seqlens=packing.cu_seqlens, chunk_size=self.chunk_size,
-                             cu_seqlens_cpu=packing.cu_seqlens_cpu, gate=gate)
-            o = o.view(B, T, H, D)
-        else:
-            o, _ = chunk_kda(q, k, v, f, b, chunk_size=self.chunk_size, gate=gate)
+        o = self.kda_op(q, k, v, f, b, packing, gate, self.chunk_size)
         o = self.o_norm(o.to(x.dtype), self.g_proj(x).view(B, T, H, D))  # [B, T, H, D]
         return self.o_proj(o.reshape(B, T, H * D))

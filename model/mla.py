@@ -50,6 +50,8 @@ class GatedMLA(nn.Module):
         self.g_proj = lin(d, H * self.v_dim) if cfg.mla_use_output_gate else None
         self.o_proj = lin(H * self.v_dim, d)
         self.register_buffer("logit_max", None, persistent=False)  # `track_logits` sets it
+        # context parallelism swaps in its all-to-all version (`parallel.context_parallel`)
+        self.attention = packed_causal_attention
 
     def track_logits(self, device: torch.device | str) -> None:
         """Record each head's logit bound in training forwards (after any head sharding: the
@@ -83,10 +85,10 @@ class GatedMLA(nn.Module):
         k_c, v = kv.split([self.nope, self.v_dim], dim=-1)  # [B, T, H, 128], [B, T, H, 128]
         k = torch.cat([k_c, k_r.unsqueeze(2).expand(B, T, H, self.rope)], dim=-1)  # [B,T,H,192]
         if self.logit_max is not None and self.training:
-            o, bound = packed_causal_attention(q, k, v, packing, self.scale, logit_bound=True)
+            o, bound = self.attention(q, k, v, packing, self.scale, logit_bound=True)
             torch.maximum(self.logit_max, bound, out=self.logit_max)  # a recompute: idempotent
         else:
-            o = packed_causal_attention(q, k, v, packing, self.scale)  # [B, T, H, v]
+            o = self.attention(q, k, v, packing, self.scale)  # [B, T, H, v]
         o = o.reshape(B, T, H * self.v_dim)
         if self.g_proj is not None:
             compute = torch.promote_types(o.dtype, torch.float32)

@@ -10,9 +10,18 @@ it moves (`Packing.from_host`, `check_cu_seqlens`), and the per-token views (`do
 `pos_in_doc`) come from `searchsorted`, so a GPU never waits for the CPU inside the model.
 `cu_seqlens` may end in empty documents (repeats of B*T): pipeline stages receive each
 micro-batch's boundaries padded to one width per step.
+
+Context parallelism (`Packing.shard(rank, size)`): each of `size` ranks holds tokens
+[rank * T / size, (rank + 1) * T / size) of every row. The shard's `Packing` keeps the full
+rows' document numbering (documents outside the shard become empty ones), so per-document
+states index the same way on every rank, and `ContextShard` says which document enters the
+shard from the previous rank and which leaves it for the next: what KDA's state passing and
+the short convolution's halo need. Attention over the whole row reads `context.full`.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -70,6 +79,24 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
+@dataclass(frozen=True)
+class ContextShard:
+    """Where a context-parallel shard sits in its rows (`Packing.shard`).
+
+    `rank`, `size`: this shard of `size`; `start`: its first token's position in the row;
+    `full`: the `Packing` of the whole rows; `first_doc` / `last_doc` [B] int64: the document of
+    each row's first / last local token; `carry` [B] bool: the first local token continues a
+    document from the previous shard (False at rank 0: rows start documents)."""
+
+    rank: int
+    size: int
+    start: int
+    full: Packing
+    first_doc: torch.Tensor
+    last_doc: torch.Tensor
+    carry: torch.Tensor
+
+
 class Packing:
     """Per-forward view of document boundaries for a [B, T] batch.
 
@@ -94,6 +121,7 @@ class Packing:
         self.max_seqlen = seqlen if max_seqlen is None else int(max_seqlen)
         self.cu_seqlens_cpu = cu_seqlens_cpu
         self.doc_ids, self.pos_in_doc = self._doc_views()
+        self.context: ContextShard | None = None  # set on a context-parallel shard (`shard`)
 
     @classmethod
     def from_host(cls, cu_seqlens: torch.Tensor | None, batch: int, seqlen: int,
@@ -113,6 +141,41 @@ class Packing:
     @property
     def packed(self) -> bool:
         return self.cu_seqlens is not None
+
+    def shard(self, rank: int, size: int) -> Packing:
+        """This rank's contiguous slice of every row, as a packed `Packing` of [B, T / size]
+        tokens. Its `cu_seqlens` is the full rows' boundaries mapped into the slice (clamped:
+        documents outside it become empty, so document n is the same document on every rank),
+        its `pos_in_doc` the tokens' positions in their whole documents, and `context` the
+        shard's place (`ContextShard`). Shapes only: nothing is read on the host."""
+        B, T = self.batch, self.seqlen
+        if T % size:
+            raise ValueError(f"sequence length {T} is not divisible by {size} context shards")
+        L = T // size
+        start = rank * L
+        cu = self.cu_seqlens
+        if cu is None:  # one document per row
+            cu = torch.arange(0, B * T + 1, T, device=self.device, dtype=torch.int32)
+        row = torch.div(cu, T, rounding_mode="floor").clamp(max=B - 1)
+        local = row * L + (cu - row * T - start).clamp(0, L)  # monotone: a valid cu_seqlens
+        cpu = None
+        if self.cu_seqlens_cpu is not None:
+            c = self.cu_seqlens_cpu.to(torch.int64)
+            r = torch.div(c, T, rounding_mode="floor").clamp(max=B - 1)
+            cpu = (r * L + (c - r * T - start).clamp(0, L)).to(torch.int32)
+        out = Packing(B, L, self.device, local.to(torch.int32), min(self.max_seqlen, L), cpu)
+        window = slice(start, start + L)
+        out.pos_in_doc = self.pos_in_doc[:, window]  # positions in the whole documents
+        out.context = ContextShard(rank, size, start, self, out.doc_ids[:, 0], out.doc_ids[:, -1],
+                                   out.pos_in_doc[:, 0] > 0)
+        return out
+
+    def window(self, x: torch.Tensor) -> torch.Tensor:
+        """A [B, T, ...] tensor of the whole rows -> this shard's tokens (itself without
+        context parallelism)."""
+        if self.context is None:
+            return x
+        return x[:, self.context.start:self.context.start + self.seqlen]
 
     def _doc_views(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(doc_ids, pos_in_doc) [B, T] int64, from shapes and device tensors only."""

@@ -1,17 +1,19 @@
 """ParallelDims: the parallel layout of a job, validated against the world size and the model.
 
-Dense mesh dims follow torchtitan's order `[pp, dp_replicate, dp_shard, tp]` (context
-parallelism, `cp`, is reserved and must be 1). Data parallelism is FSDP2 over dp_shard (HSDP
-when dp_replicate > 1); tensor parallelism shards heads and MLP columns with sequence
+Dense mesh dims follow torchtitan's order `[pp, dp_replicate, dp_shard, cp, tp]`. Data
+parallelism is FSDP2 over dp_shard x cp (HSDP when dp_replicate > 1): the cp ranks of a
+group hold other slices of the same rows (`parallel.context_parallel`), so to FSDP they are
+data ranks too; tensor parallelism shards heads and MLP columns with sequence
 parallelism between them (`parallel.tensor_parallel`); pipeline parallelism splits the layers
 into stages (`parallel.pipeline`); expert parallelism splits the dp_shard x tp ranks into (edp, ep):
-routed experts are sharded over the ep ranks (MoonEP dispatch) and by FSDP over the edp ranks,
+routed experts are sharded over the ep ranks (MoonEP dispatch) and by FSDP over the edp ranks
+(dp_shard x cp x tp = edp x ep),
 on an expert mesh `[pp, dp_replicate, edp, ep]` over the same ranks; with dp_replicate > 1 the
 experts' FSDP is HSDP over (dp_replicate, edp), so replica groups all-reduce expert gradients.
-EP borrows the tp ranks (Megatron's expert-tensor-parallel size 1): in the sequence-parallel
-region every tp rank routes its own tokens, so the tp ranks of a group are as good as
-data-parallel ranks to the experts, and no expert is replicated over tp. Every check is a
-one-line error naming the field.
+EP borrows the cp and tp ranks (Megatron's expert-tensor-parallel size 1): in the sequence-
+parallel region every tp rank routes its own tokens, as every cp rank routes its own slice, so
+they are as good as data-parallel ranks to the experts, and no expert is replicated over them.
+Every check is a one-line error naming the field.
 """
 
 from __future__ import annotations
@@ -62,9 +64,6 @@ class ParallelDims:
         virtual = getattr(pc, "pp_virtual_stages", 1)
         dims = cls(pc.dp_replicate, dp_shard, pc.tp, pc.pp, pc.ep, pc.cp, world_size,
                    schedule, virtual)
-        if dims.cp != 1:
-            raise ConfigError(f"parallel.cp={dims.cp}: context parallelism is not implemented; "
-                              "use parallel.cp=1")
         if schedule not in SCHEDULES:
             raise ConfigError(f"parallel.pp_schedule={schedule!r}: choose one of {list(SCHEDULES)}")
         if not isinstance(virtual, int) or virtual < 1:
@@ -79,11 +78,12 @@ class ParallelDims:
         if schedule == "ZBVZeroBubble" and dims.pp > 1 and virtual != 2:
             raise ConfigError("parallel.pp_schedule=ZBVZeroBubble needs "
                               "parallel.pp_virtual_stages=2 (the V shape)")
-        expert_ranks = dims.dp_shard * dims.tp
+        expert_ranks = dims.dp_shard * dims.cp * dims.tp
         if dims.ep > 1 and expert_ranks % dims.ep:
             raise ConfigError(
-                f"parallel.ep={dims.ep} must divide parallel.dp_shard x parallel.tp = "
-                f"{dims.dp_shard} x {dims.tp} = {expert_ranks} (experts are sharded over ep "
+                f"parallel.ep={dims.ep} must divide parallel.dp_shard x parallel.cp x "
+                f"parallel.tp = {dims.dp_shard} x {dims.cp} x {dims.tp} = {expert_ranks} "
+                f"(experts are sharded over ep "
                 f"ranks and by FSDP over the other {expert_ranks} / ep, inside each of the "
                 f"dp_replicate groups); use a divisor of {expert_ranks} or parallel.ep=1")
         return dims
@@ -96,14 +96,19 @@ class ParallelDims:
     @property
     def edp(self) -> int:
         """Expert-data-parallel degree: ranks holding the same experts (FSDP shards them)."""
-        return self.dp_shard * self.tp // self.ep
+        return self.dp_shard * self.cp * self.tp // self.ep
+
+    @property
+    def loss_scale_ranks(self) -> int:
+        """FSDP's averaging degree, which the loss is pre-multiplied by: dp x cp."""
+        return self.dp * self.cp
 
     @property
     def expert_grad_divisor(self) -> float:
-        """What is left of the data-parallel loss factor on expert gradients after FSDP averaged
-        them over dp_replicate x edp (HSDP; neither when both are 1): the loss is pre-multiplied
-        by dp = dp_replicate x dp_shard, so dp_shard / edp (= ep / tp)."""
-        return self.dp_shard / self.edp
+        """What is left of the loss factor on expert gradients after FSDP averaged them over
+        dp_replicate x edp (HSDP; neither when both are 1): the loss is pre-multiplied by
+        dp_replicate x dp_shard x cp, so dp_shard x cp / edp (= ep / tp)."""
+        return self.dp_shard * self.cp / self.edp
 
     @property
     def num_stages(self) -> int:
@@ -130,9 +135,22 @@ class ParallelDims:
         if cfg.vocab_size % self.tp:
             raise ConfigError(f"parallel.tp={self.tp} does not divide model.vocab_size="
                               f"{cfg.vocab_size} (vocabulary-parallel head); pad the vocabulary")
-        if seq_len is not None and seq_len % self.tp:
-            raise ConfigError(f"data.seq_len={seq_len} is not divisible by parallel.tp={self.tp} "
-                              "(sequence parallelism splits each row); use a multiple")
+        if seq_len is not None and seq_len % (self.cp * self.tp):
+            raise ConfigError(f"data.seq_len={seq_len} is not divisible by parallel.cp x "
+                              f"parallel.tp = {self.cp * self.tp} (context and sequence "
+                              "parallelism split each row); use a multiple")
+        if self.cp > 1:
+            heads = cfg.num_attention_heads // self.tp
+            if heads % self.cp:
+                raise ConfigError(
+                    f"parallel.cp={self.cp} does not divide the {heads} MLA heads per tp rank "
+                    f"(model.num_attention_heads={cfg.num_attention_heads} / parallel.tp="
+                    f"{self.tp}): Ulysses attention splits them over cp; use a divisor")
+            if seq_len is not None and seq_len // self.cp < cfg.short_conv_kernel_size - 1:
+                raise ConfigError(
+                    f"data.seq_len={seq_len} / parallel.cp={self.cp} is shorter than the short "
+                    f"convolution's halo (model.short_conv_kernel_size - 1 = "
+                    f"{cfg.short_conv_kernel_size - 1}); use a smaller parallel.cp")
         if cfg.num_hidden_layers < self.num_stages:
             raise ConfigError(f"parallel.pp={self.pp} x pp_virtual_stages="
                               f"{self.pp_virtual_stages} = {self.num_stages} stages exceeds "
@@ -146,20 +164,27 @@ class ParallelDims:
                               f"{cfg.num_experts}; use a divisor of {cfg.num_experts}")
 
     def build_meshes(self, device_type: str) -> Meshes:
-        """The world mesh [pp, dp_replicate, dp_shard, tp] and its named slices."""
+        """The world mesh [pp, dp_replicate, dp_shard, cp, tp] and its named slices."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        world = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp),
-                                 mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
-        dp = world["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else world["dp_shard"]
+        world = init_device_mesh(device_type,
+                                 (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp),
+                                 mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp", "tp"))
+        shard = "dp_shard"
+        if self.cp > 1:  # FSDP shards over the cp ranks too
+            world["dp_shard", "cp"]._flatten("dp_shard_cp")
+            shard = "dp_shard_cp"
+        dp = world["dp_replicate", shard] if self.dp_replicate > 1 else world[shard]
         dp_flat = world["dp_replicate", "dp_shard"]._flatten("dp")
-        batch = world["dp_replicate", "dp_shard", "tp"]._flatten("dp_tp")
+        batch = world["dp_replicate", "dp_shard", "cp", "tp"]._flatten("dp_cp_tp")
         dp_rank = dp_flat.get_local_rank()
         meshes = Meshes(world=world, dp=dp, tp=world["tp"] if self.tp > 1 else None,
                         pp=world["pp"] if self.pp > 1 else None, ep=None,
                         dp_group=dp_flat.get_group(), batch_group=batch.get_group(),
-                        dp_rank=dp_rank, pp_rank=world.get_local_rank("pp"))
-        if self.ep > 1:  # the same ranks in the same order, dp_shard x tp split into (edp, ep)
+                        dp_rank=dp_rank, pp_rank=world.get_local_rank("pp"),
+                        cp=world["cp"] if self.cp > 1 else None)
+        if self.ep > 1:  # the same ranks in the same order, dp_shard x cp x tp split into
+            # (edp, ep)
             experts = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.edp,
                                                      self.ep),
                                        mesh_dim_names=("pp", "dp_replicate", "edp", "ep"))
@@ -173,9 +198,10 @@ class ParallelDims:
 
 @dataclass
 class Meshes:
-    """`dp`: FSDP's mesh (1-D, or 2-D for HSDP). `dp_group`: ranks that see different samples
-    (token counts, sample ids). `batch_group`: every rank that holds the same layers but other
-    tokens (dp x tp under sequence parallelism): loss sums and Quantile-Balancing statistics."""
+    """`dp`: FSDP's mesh (1-D, or 2-D for HSDP; over dp_shard x cp). `dp_group`: ranks that see
+    different samples (token counts, sample ids). `batch_group`: every rank that holds the same
+    layers but other tokens (dp x cp x tp under context and sequence parallelism): loss sums
+    and Quantile-Balancing statistics. `cp`: the context-parallel mesh (None when cp is 1)."""
 
     world: object
     dp: object
@@ -187,3 +213,4 @@ class Meshes:
     dp_rank: int
     pp_rank: int
     edp: object | None = None  # FSDP mesh of the routed experts: edp, or (dp_replicate, edp)
+    cp: object | None = None

@@ -1,5 +1,6 @@
 """Turn a model config into this rank's parallel model: pipeline split -> expert parallel ->
-MXFP8 -> tensor parallel -> activation checkpointing -> compile -> FSDP, then materialise.
+MXFP8 -> tensor parallel -> context parallel -> activation checkpointing -> compile -> FSDP,
+then materialise.
 
 Everything is built on the meta device and only this rank's shards are allocated and
 initialised; `model.init.init_weights` draws every parameter from a generator keyed by its name,
@@ -19,6 +20,7 @@ from model.init import init_weights
 from model.ops.mx_linear import mx_backend
 from model.precision import apply_mxfp8
 from parallel.activation_checkpoint import apply_activation_checkpointing, apply_compile
+from parallel.context_parallel import apply_context_parallel
 from parallel.dims import Meshes, ParallelDims
 from parallel.expert_parallel import apply_expert_parallel, expert_parameters
 from parallel.fsdp import DTYPES, apply_fsdp, dtensor_writer, fsdp_kwargs
@@ -75,7 +77,7 @@ def parallelize(job, dims: ParallelDims, meshes: Meshes, device: torch.device,
         out.loss_scale = LossScale()
         act_dtype = DTYPES[job.cluster.param_dtype]
         io = [stage_io_meta(job.model, out.splits, s, job.data.micro_batch, job.data.seq_len,
-                            dims.tp, act_dtype) for s in out.stages]
+                            dims.tp, act_dtype, dims.cp) for s in out.stages]
         out.schedule = build_schedule(stage_modules, out.stages, dims.num_stages,
                                       dims.pp_schedule, meshes.pp.get_group(), device,
                                       n_microbatches, out.loss_scale, io)
@@ -107,6 +109,8 @@ def shard_on_meta(job, dims: ParallelDims, meshes: Meshes, pp_rank: int, log=pri
             f"{', '.join(p.targets)}")
     if dims.tp > 1:
         apply_tensor_parallel(model, meshes.tp)
+    if dims.cp > 1:
+        apply_context_parallel(model, meshes.cp, job.cluster.backend)
     layers = model.decoder_layers()  # the MTP layer too (on the last stage)
     apply_activation_checkpointing(layers, job.parallel.activation_checkpoint)
     if job.parallel.compile:

@@ -136,13 +136,14 @@ class LossScale:
 
 
 def stage_io_meta(cfg: ModelConfig, splits: list[list[int]], stage: int, micro_batch: int,
-                  seq_len: int, tp: int, dtype: torch.dtype
+                  seq_len: int, tp: int, dtype: torch.dtype, cp: int = 1
                   ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     """Meta tensors of a stage's inputs and outputs, given to `PipelineStage` so that it does
     not infer them by running the model (the router and MoE dispatch are data-dependent).
     A stage that starts at layer L receives ceil(L / block_size) AttnRes snapshots, and with
-    MTP the next tokens' embeddings [B, T/tp, d] (`K3Model.forward_stage`)."""
-    local_t = seq_len // tp  # sequence parallelism: each tp rank holds a slice of every row
+    MTP the next tokens' embeddings [B, T/(cp tp), d] (`K3Model.forward_stage`); the first
+    stage takes whole rows of token ids."""
+    local_t = seq_len // (cp * tp)  # context and sequence parallelism: a slice of every row
     d, bs = cfg.hidden_size, cfg.attn_res_block_size
 
     def act(*lead: int) -> torch.Tensor:

@@ -195,7 +195,8 @@ def train_step(pm: ParallelModel, optimizer: torch.optim.Optimizer, batches: lis
     dist.all_reduce(counts, group=pm.meshes.dp_group)
     global_tokens, global_flops, global_mtp = counts.tolist()
     global_tokens = int(global_tokens)
-    scale = dims.dp / max(global_tokens, 1)  # FSDP averages over dp ranks: undo, then / tokens
+    # FSDP averages over dp x cp ranks: undo, then / tokens
+    scale = dims.loss_scale_ranks / max(global_tokens, 1)
     if pm.schedule is not None:
         loss_sum = _pipeline_forward_backward(pm, batches, env, scale, in_model)
     else:
@@ -205,7 +206,7 @@ def train_step(pm: ParallelModel, optimizer: torch.optim.Optimizer, batches: lis
             ids = to_device(mb["input_ids"], env.device)  # pinned, non-blocking on CUDA
             packing = Packing.from_host(mb["cu_seqlens"], *ids.shape, env.device,
                                         bucket=pm.compiled)
-            labels = to_device(mb["labels"], env.device)
+            labels = cp_window(to_device(mb["labels"], env.device), pm.model)
             with in_model:
                 s, _ = model(ids, packing, labels=labels)
                 (s * scale).backward()
@@ -224,6 +225,16 @@ def train_step(pm: ParallelModel, optimizer: torch.optim.Optimizer, batches: lis
     main = total - cfg.mtp_loss_weight * mtp_sum if mtp else total
     return StepResult(main / max(global_tokens, 1), global_tokens, norm, global_flops,
                       mtp_sum / max(global_mtp, 1) if mtp else None)
+
+
+def cp_window(labels: torch.Tensor, model: K3Model) -> torch.Tensor:
+    """Whole rows of labels -> this rank's context-parallel slice (the model takes whole rows
+    of token ids and windows them itself)."""
+    if model.context_shard is None:
+        return labels
+    rank, size = model.context_shard
+    L = labels.shape[1] // size
+    return labels[:, rank * L:(rank + 1) * L]
 
 
 def _pop_mtp_sums(model: K3Model, device: torch.device) -> torch.Tensor:
@@ -249,7 +260,7 @@ def _pipeline_forward_backward(pm: ParallelModel, batches: list[dict], env: Dist
     """Run the schedule over this rank's micro-batches; returns the local loss sum (float64)."""
     dev = env.device
     ids = to_device(torch.cat([b["input_ids"] for b in batches]), dev)
-    labels = to_device(torch.cat([b["labels"] for b in batches]), dev)
+    labels = cp_window(to_device(torch.cat([b["labels"] for b in batches]), dev), pm.model)
     B, T = batches[0]["input_ids"].shape
     # validated on the host; one row per micro-batch, padded with empty documents to one width
     longest = max(check_cu_seqlens(b["cu_seqlens"], B, T) for b in batches)
