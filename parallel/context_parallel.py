@@ -17,7 +17,8 @@ three ops that look along the sequence exchange what they need over cp:
 - Gated MLA (DeepSpeed-Ulysses): DeepSpeed's `DistributedAttention` all-to-alls q, k, v from
   sequence shards to head shards, our varlen attention runs on the whole rows for H / cp heads
   (documents intact, `ContextShard.full`), and a second all-to-all returns the output to
-  sequence shards. QK-Clip's per-head logit bounds are gathered back to all heads.
+  sequence shards. QK-Clip's per-head logit bounds are gathered back to all heads. Where
+  DeepSpeed cannot start, the same layout runs on our own all-to-all (`own_ulysses`).
 
 FSDP shards parameters over dp_shard x cp and averages gradients over it (the trainer scales
 the loss by dp x cp), Quantile-Balancing statistics and loss sums include the cp ranks
@@ -109,21 +110,56 @@ class _LocalAttention(nn.Module):
 
 def ulysses_attention(group, size: int, backend: str):
     """`GatedMLA.attention` over DeepSpeed-Ulysses' `DistributedAttention` on the cp group
-    ([B, L, H, D] tensors: batch dim 0, heads scattered, sequence gathered)."""
-    import deepspeed
-    import deepspeed.comm
-    from deepspeed.sequence.layer import DistributedAttention
+    ([B, L, H, D] tensors: batch dim 0, heads scattered, sequence gathered). If DeepSpeed cannot
+    start its communication backend here (it JIT-builds a shared-memory all-reduce op at
+    initialisation on CPU, which needs a C++ compiler), the same layout runs on our own
+    `all_to_all_single` (`own_ulysses`) and the reason is printed once."""
+    try:
+        import deepspeed
+        import deepspeed.comm
+        from deepspeed.sequence.layer import DistributedAttention
 
-    if not deepspeed.comm.is_initialized():  # wraps the process group torch already has
-        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
-    ulysses = DistributedAttention(_LocalAttention(), group, scatter_idx=2, gather_idx=1)
+        if not deepspeed.comm.is_initialized():  # wraps the process group torch already has
+            deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+        run = DistributedAttention(_LocalAttention(), group, scatter_idx=2, gather_idx=1)
+        ulysses = lambda q, k, v, *args: run(q, k, v, 0, None, *args)  # batch dim 0, no rotary
+    except Exception as e:  # noqa: BLE001 (any failure of the optional backend)
+        print(f"context parallel: DeepSpeed-Ulysses unavailable ({type(e).__name__}: "
+              f"{' '.join(str(e).split())[:200]}); using our own all-to-all", flush=True)
+        ulysses = own_ulysses(group, size)
 
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing: Packing,
                   scale: float, logit_bound: bool = False):
         bounds: list | None = [] if logit_bound else None
-        o = ulysses(q, k, v, 0, None, packing.context.full, scale, bounds)
+        o = ulysses(q, k, v, packing.context.full, scale, bounds)
         if not logit_bound:
             return o
         return o, all_gather(bounds[0].contiguous(), 0, group).detach()  # every head's bound
 
     return attention
+
+
+def own_ulysses(group, size: int):
+    """DeepSpeed-Ulysses' layout on `all_to_all_single` (autograd-aware): sequence shards
+    [B, L, H, D] -> whole rows of H / size heads [B, size L, H / size, D], attention, back."""
+    import torch.distributed._functional_collectives as funcol
+
+    local = _LocalAttention()
+
+    def exchange(x: torch.Tensor) -> torch.Tensor:  # [size, ...] chunk j -> rank j
+        return funcol.all_to_all_single_autograd(x.contiguous(), None, None, group).view_as(x)
+
+    def to_heads(x: torch.Tensor) -> torch.Tensor:
+        B, L, H, D = x.shape
+        y = exchange(x.view(B, L, size, H // size, D).permute(2, 0, 1, 3, 4))
+        return y.permute(1, 0, 2, 3, 4).reshape(B, size * L, H // size, D)  # rank-major rows
+
+    def to_sequence(x: torch.Tensor) -> torch.Tensor:
+        B, T, h, D = x.shape
+        y = exchange(x.view(B, size, T // size, h, D).permute(1, 0, 2, 3, 4))
+        return y.permute(1, 2, 0, 3, 4).reshape(B, T // size, size * h, D)
+
+    def run(q, k, v, packing, scale, bounds):
+        return to_sequence(local(to_heads(q), to_heads(k), to_heads(v), packing, scale, bounds))
+
+    return run
