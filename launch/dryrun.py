@@ -7,7 +7,8 @@ A fake process group (`backend="fake"`) stands in for `--world` ranks: the job i
 against that world size, the device meshes are built, and for every pipeline rank the model is
 built on the meta device, split into its stages and sharded exactly as training would (expert
 parallel, tensor parallel, FSDP2). It prints one JSON line per pipeline rank (its stages, layers
-and this rank's parameter counts and bytes) and a summary line. No tensor is allocated.
+and this rank's parameter counts and bytes) and a summary line (with parallel.cp > 1, also the context-parallel bytes each rank moves per
+layer and micro-batch: `context_parallel_mib`). No tensor is allocated.
 
 Bytes per rank: fp32 master weights + fp32 gradients + AdamW's two fp32 moments (16 B per local
 parameter), plus, under PP (layers keep their gathered weights between micro-batches), the
@@ -38,6 +39,22 @@ def _tp_local_numel(p) -> int:
     if "tp" not in names or p.placements[names.index("tp")].is_replicate():
         return p.numel()
     return p.numel() // mesh.size(names.index("tp"))
+
+
+def context_parallel_mib(job, dims) -> dict:
+    """Per rank, per layer and micro-batch, forward (the backward moves the same again): KCP's
+    all-gather of the fp32 state maps (B x H x K x (K + V) per rank, received from all cp
+    ranks) and Ulysses' four all-to-alls (q, k, v in, o out; the (cp - 1) / cp of them that
+    leave the rank) in bf16, the GPU activation dtype."""
+    m, d = job.model, job.data
+    B, L = d.micro_batch, d.seq_len // dims.cp
+    kda_heads, D = m.kda_num_heads // dims.tp, m.kda_head_dim
+    kcp = dims.cp * B * kda_heads * D * 2 * D * 4
+    heads = m.num_attention_heads // dims.tp
+    width = 2 * m.qk_head_dim + 2 * m.v_head_dim
+    ulysses = B * L * heads * width * 2 * (dims.cp - 1) // dims.cp
+    return {"kcp_gather_mib_per_kda_layer": round(kcp / 2**20, 2),
+            "ulysses_all_to_all_mib_per_mla_layer_bf16": round(ulysses / 2**20, 2)}
 
 
 def describe_rank(job, dims, meshes, pp_rank: int) -> dict:
@@ -113,11 +130,12 @@ def main(argv: list[str]) -> int:
     worst = max(rows, key=lambda r: r["state_gib"] + r["gathered_weights_gib"])
     print(json.dumps({
         "world": world, "pp": dims.pp, "dp_replicate": dims.dp_replicate,
-        "dp_shard": dims.dp_shard, "tp": dims.tp, "ep": dims.ep,
+        "dp_shard": dims.dp_shard, "cp": dims.cp, "tp": dims.tp, "ep": dims.ep,
         "schedule": dims.pp_schedule if dims.pp > 1 else None, "stages": dims.num_stages,
         "max_rank_state_gib": worst["state_gib"],
         "max_rank_gathered_weights_gib": worst["gathered_weights_gib"],
         "max_rank_pp_rank": worst["pp_rank"],
+        **(context_parallel_mib(job, dims) if dims.cp > 1 else {}),
     }))
     dist.destroy_process_group()
     return 0

@@ -26,7 +26,9 @@ def test_dp_shard_fills_the_world():
     (dict(pp=2, pp_schedule="Interleaved1F1B"), 4, "pp_virtual_stages"),
     (dict(pp=2, pp_schedule="1F1B", pp_virtual_stages=2), 4, "pp_virtual_stages"),
     (dict(pp=2, pp_schedule="Zigzag"), 4, "pp_schedule"),
-    (dict(cp=2), 2, "parallel.cp"),
+    (dict(cp=3), 3, "data.seq_len=64"),  # each row splits into cp shards
+    (dict(cp=2, tp=4), 8, "parallel.cp=2"),  # 1 MLA head per tp rank: Ulysses splits heads
+    (dict(cp=2, ep=3), 6, "parallel.ep=3"),  # experts over dp_shard x cp x tp = 6: 8 % 3
     (dict(tp=2), 3, "world size 3"),
 ])
 def test_bad_layouts_name_the_field(kw, world, field):
@@ -42,6 +44,12 @@ def test_model_checks():
         dims(16, pp=8, pp_schedule="Interleaved1F1B", pp_virtual_stages=2).validate_model(cfg)
     with pytest.raises(ConfigError, match="data.seq_len=63"):
         dims(2, tp=2).validate_model(cfg, seq_len=63)
+    with pytest.raises(ConfigError, match="parallel.cp x parallel.tp = 4"):
+        dims(4, cp=2, tp=2).validate_model(cfg, seq_len=66)
+    with pytest.raises(ConfigError, match="short convolution's halo"):
+        dims(32, cp=32).validate_model(cfg.__class__(**{**cfg.__dict__, "num_attention_heads":
+                                                         32, "num_key_value_heads": 32}),
+                                       seq_len=64)
     with pytest.raises(ConfigError, match="micro-batches"):
         dims(4, pp=4).validate_model(cfg, seq_len=64, microbatches=2)
 
