@@ -111,16 +111,12 @@ class _LocalAttention(nn.Module):
 def ulysses_attention(group, size: int, backend: str):
     """`GatedMLA.attention` over DeepSpeed-Ulysses' `DistributedAttention` on the cp group
     ([B, L, H, D] tensors: batch dim 0, heads scattered, sequence gathered). If DeepSpeed cannot
-    start its communication backend here (it JIT-builds a shared-memory all-reduce op at
-    initialisation on CPU, which needs a C++ compiler), the same layout runs on our own
-    `all_to_all_single` (`own_ulysses`) and the reason is printed once."""
+    start here, the same layout runs on our own `all_to_all_single` (`own_ulysses`) and the
+    reason is printed."""
     try:
-        import deepspeed
-        import deepspeed.comm
         from deepspeed.sequence.layer import DistributedAttention
 
-        if not deepspeed.comm.is_initialized():  # wraps the process group torch already has
-            deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+        _init_deepspeed(backend)
         run = DistributedAttention(_LocalAttention(), group, scatter_idx=2, gather_idx=1)
         ulysses = lambda q, k, v, *args: run(q, k, v, 0, None, *args)  # batch dim 0, no rotary
     except Exception as e:  # noqa: BLE001 (any failure of the optional backend)
@@ -137,6 +133,23 @@ def ulysses_attention(group, size: int, backend: str):
         return o, all_gather(bounds[0].contiguous(), 0, group).detach()  # every head's bound
 
     return attention
+
+
+def _init_deepspeed(backend: str) -> None:
+    """`deepspeed.comm` over the process group torch already has. On CPU, DeepSpeed's backend
+    JIT-compiles a shared-memory all-reduce op when it starts (about a minute, and it needs a
+    C++ compiler) that Ulysses never calls: marking the op unavailable in DeepSpeed's op table
+    (kept per process, edits persist) skips the build."""
+    import deepspeed
+    import deepspeed.comm
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    if deepspeed.comm.is_initialized():
+        return
+    if get_accelerator().device_name() == "cpu":
+        vars(deepspeed.ops).setdefault("__compatible_ops__", {})["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
 
 
 def own_ulysses(group, size: int):
