@@ -6,9 +6,10 @@
 A fake process group (`backend="fake"`) stands in for `--world` ranks: the job is validated
 against that world size, the device meshes are built, and for every pipeline rank the model is
 built on the meta device, split into its stages and sharded exactly as training would (expert
-parallel, tensor parallel, FSDP2). It prints one JSON line per pipeline rank (its stages, layers
-and this rank's parameter counts and bytes) and a summary line (with parallel.cp > 1, also the context-parallel bytes each rank moves per
-layer and micro-batch: `context_parallel_mib`). No tensor is allocated.
+parallel, tensor parallel, context parallel, FSDP2). It prints one JSON line per pipeline rank
+(its stages, layers and this rank's parameter counts and bytes) and a summary line (with
+parallel.cp > 1, also the context-parallel bytes each rank moves per layer and micro-batch:
+`context_parallel_mib`). No tensor is allocated.
 
 Bytes per rank: fp32 master weights + fp32 gradients + AdamW's two fp32 moments (16 B per local
 parameter), plus, under PP (layers keep their gathered weights between micro-batches), the

@@ -70,6 +70,9 @@ class DataConfig:
     micro_batch: int = 4  # sequences per forward/backward on one rank
     seed: int = 1234
     stdlib_max_bytes: int = 20_000_000
+    # shuffle fixed blocks of this many tokens (a multiple of every stage's seq_len) instead of
+    # single windows, so a run can resume at another seq_len (data.loader); None: windows
+    shuffle_block_tokens: int | None = None
 
 
 @dataclass

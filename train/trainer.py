@@ -81,6 +81,8 @@ def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
     latest = ckpt.latest() if job.checkpoint.enabled and job.checkpoint.resume else None
     if latest is not None:
         state = _resume(ckpt, latest, model, optimizer, scheduler, loader)
+        if env.is_main and loader.resume_note:
+            print(loader.resume_note, flush=True)
 
     stop = job.train.stop_at_step or job.train.steps
     peak = job.cluster.peak_tflops * 1e12 if job.cluster.peak_tflops else peak_flops(env.device)
@@ -371,13 +373,17 @@ def _build_loader(job: JobConfig, env: DistEnv, dp_rank: int, dp: int) -> BatchL
     if vocab > job.model.vocab_size:
         raise ConfigError(f"data.tokenizer has {vocab} tokens but model.vocab_size="
                           f"{job.model.vocab_size}; raise model.vocab_size to >= {vocab}")
-    return BatchLoader(dataset, d.global_batch, d.micro_batch, dp_rank, dp, d.seed)
+    try:
+        return BatchLoader(dataset, d.global_batch, d.micro_batch, dp_rank, dp, d.seed,
+                           d.shuffle_block_tokens)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _describe_layout(pm: ParallelModel, env: DistEnv) -> None:
     d = pm.dims
     msg = (f"layout: world {d.world_size} = pp {d.pp} x dp_replicate {d.dp_replicate} x "
-           f"dp_shard {d.dp_shard} x tp {d.tp}; ep {d.ep}")
+           f"dp_shard {d.dp_shard} x cp {d.cp} x tp {d.tp}; ep {d.ep}")
     if pm.splits:
         msg += (f"; {d.pp_schedule}, {d.num_stages} stages (layers "
                 f"{[f'{s[0]}-{s[-1]}' for s in pm.splits]})")
@@ -388,7 +394,10 @@ def _resume(ckpt: Checkpointer, path: Path, model, optimizer, scheduler, loader
             ) -> dict[str, Any]:
     ts = ckpt.load(path, model, optimizer)
     scheduler.load_state_dict(ts["scheduler"])
-    loader.load_state_dict(ts["loader"])
+    try:
+        loader.load_state_dict(ts["loader"])
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if int(path.name.split("-")[1]) != ts["step"] or scheduler.last_epoch != ts["step"]:
         raise RuntimeError(f"checkpoint {path} is inconsistent (train_state step {ts['step']}, "
                            f"scheduler step {scheduler.last_epoch}); refusing to resume")

@@ -181,3 +181,41 @@ def test_bad_layouts_and_states_are_one_line_errors(folder):
         BatchLoader(ds, 8, 2, 0, 1, seed=1).load_state_dict(
             BatchLoader(ds, 8, 2, 0, 1, seed=0).state_dict())
     assert "\n" not in str(e.value)
+
+
+def _windows(ds: PackedTokenDataset, ids) -> list[tuple[int, int]]:
+    return [(int(i) * ds.seq_len, (int(i) + 1) * ds.seq_len) for i in ids]
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_block_shuffle_resumes_at_another_seq_len(folder, dp):
+    """Blocks of 64 tokens: 3 steps at T=16 (2 blocks and a half), then the same run resumed at
+    T=32 consumes the rest of the epoch: every token of the whole blocks exactly once."""
+    short, long = PackedTokenDataset(folder, 16), PackedTokenDataset(folder, 32)
+    first = [BatchLoader(short, 4, 1, r, dp, seed=3, block_tokens=64) for r in range(dp)]
+    spans = []
+    for _ in range(3):
+        spans += _windows(short, _step_ids(first))
+    after = [BatchLoader(long, 2, 1, r, dp, seed=3, block_tokens=64) for r in range(dp)]
+    for ld in after:
+        ld.load_state_dict(json.loads(json.dumps(first[0].state_dict())))
+    assert after[0].resume_note.startswith("data: seq_len 16 -> 32: continues at token 192 ")
+    assert "(block 3, offset 0)" in after[0].resume_note
+    n_blocks = after[0].num_units
+    while after[0].position < n_blocks * 2:  # the epoch in windows of 32
+        spans += _windows(long, _step_ids(after))
+    tokens = sorted(t for a, b in spans for t in range(a, b))
+    assert tokens == list(range(n_blocks * 64))  # each token of the whole blocks once
+    blocks = [a // 64 for a, _ in spans[::4]]  # the order is by block, not by window
+    assert blocks != sorted(blocks)
+
+
+def test_block_shuffle_state_errors(folder):
+    ds = PackedTokenDataset(folder, 16)
+    with pytest.raises(ValueError, match="data.shuffle_block_tokens=40 must be a multiple"):
+        BatchLoader(ds, 4, 1, 0, 1, seed=0, block_tokens=40)
+    plain = BatchLoader(ds, 4, 1, 0, 1, seed=0).state_dict()
+    with pytest.raises(ValueError, match="data.shuffle_block_tokens=None"):
+        BatchLoader(ds, 4, 1, 0, 1, seed=0, block_tokens=64).load_state_dict(plain)
+    with pytest.raises(ValueError, match="data.seq_len=16; resume at that length"):
+        BatchLoader(PackedTokenDataset(folder, 32), 4, 1, 0, 1, seed=0).load_state_dict(plain)

@@ -47,7 +47,8 @@ def _exact_max(model, ids, cu, monkeypatch, inputs: dict | None = None):
         captured[layer_of[id(mod)]] = args
 
     hooks = [m.register_forward_pre_hook(pre) for _, m in mla_modules(model)]
-    monkeypatch.setattr(mla_mod, "packed_causal_attention", spy)
+    for _, m in mla_modules(model):
+        monkeypatch.setattr(m, "attention", spy)
     try:
         if inputs is None:
             model(ids, cu)
@@ -55,7 +56,8 @@ def _exact_max(model, ids, cu, monkeypatch, inputs: dict | None = None):
             for layer, m in mla_modules(model):
                 m(*inputs[layer])
     finally:
-        monkeypatch.setattr(mla_mod, "packed_causal_attention", real)
+        for _, m in mla_modules(model):
+            monkeypatch.setattr(m, "attention", real)
         for h in hooks:
             h.remove()
     return seen, captured
