@@ -1,9 +1,10 @@
 """Context parallelism (`parallel.cp`) through the real launcher, fp64 verification mode: cp 2 and
 cp 4, and cp 2 with tp 2, pp 2 and ep 2, give the same per-step losses, gradient norms, clipped
-heads (QK-Clip at tau 2: the Ulysses logit bounds gathered back to every head) and parameters
-as one rank, on a corpus of short documents (3-60 bytes) so that documents start inside cp
-shards, exactly at their edges, and cross them; cp 2's step-2 checkpoint resumes on one rank
-with the same losses and parameters."""
+heads (QK-Clip at tau 2: the Ulysses logit bounds gathered back to every head), MTP losses (the
+next-token embeddings of each shard taken from the whole rows) and parameters as one rank, on a
+corpus of short documents (3-60 bytes) so that documents start inside cp shards, exactly at
+their edges, and cross them; cp 2's step-2 checkpoint resumes on one rank with the same losses
+and parameters."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from tests.helpers.runs import assert_parameters_equal, metrics, pretrain, pretr
 
 LAYOUTS = {
     "cp2": (["parallel.cp=2"], 2),
-    "cp4": (["parallel.cp=4"], 4),
+    # full activation checkpointing rides along: the recompute repeats the exchanges
+    "cp4": (["parallel.cp=4", "parallel.activation_checkpoint=full"], 4),
     "cp2_tp2": (["parallel.cp=2", "parallel.tp=2"], 4),
     "cp2_pp2": (["parallel.cp=2", "parallel.pp=2"], 4),
     # experts over ep 2 inside dp_shard 2 x cp 2 (ep borrows a cp rank)
@@ -37,7 +39,8 @@ def runs(tmp_path_factory):
             f.write(json.dumps({"text": text}) + "\n")
     corpus = prepare([root / "docs.jsonl"], root / "corpus", "byte", workers=1, progress=False)
     args = ["data=prepared", f"data.dataset={corpus}", "train.steps=4", "checkpoint.interval=2",
-            "cluster.param_dtype=fp64", "optim.qk_clip_tau=2.0"]
+            "cluster.param_dtype=fp64", "optim.qk_clip_tau=2.0",
+            "model.num_nextn_predict_layers=1"]
     out = {n: root / n for n in ("ref", "resumed", *LAYOUTS)}
     pretrain(out["ref"], *args)
     for nproc in (2, 4):
@@ -59,6 +62,7 @@ def test_layouts_equal_one_rank(runs, name):
     assert [m["step"] for m in got] == [1, 2, 3, 4]
     for r, g in zip(ref, got, strict=True):
         assert _close(g["loss"], r["loss"], 1e-9), (name, r["step"], g["loss"], r["loss"])
+        assert _close(g["mtp_loss"], r["mtp_loss"], 1e-9), (name, g["mtp_loss"], r["mtp_loss"])
         assert _close(g["grad_norm"], r["grad_norm"], 1e-6), (name, g["grad_norm"])
         assert g["qk_clipped_heads"] == r["qk_clipped_heads"] > 0, (name, g, r)
         assert g["sample_ids"] == r["sample_ids"]
