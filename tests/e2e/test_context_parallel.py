@@ -15,7 +15,7 @@ import shutil
 import pytest
 
 from data.prepare import prepare
-from tests.helpers.runs import assert_parameters_equal, metrics, pretrain, pretrain_many
+from tests.helpers.runs import assert_parameters_equal, close, metrics, pretrain, pretrain_many
 
 LAYOUTS = {
     "cp2": (["parallel.cp=2"], 2),
@@ -52,18 +52,14 @@ def runs(tmp_path_factory):
     return out
 
 
-def _close(got: float, ref: float, rel: float) -> bool:
-    return abs(got - ref) <= rel * abs(ref)
-
-
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layouts_equal_one_rank(runs, name):
     ref, got = metrics(runs["ref"]), metrics(runs[name])
     assert [m["step"] for m in got] == [1, 2, 3, 4]
     for r, g in zip(ref, got, strict=True):
-        assert _close(g["loss"], r["loss"], 1e-9), (name, r["step"], g["loss"], r["loss"])
-        assert _close(g["mtp_loss"], r["mtp_loss"], 1e-9), (name, g["mtp_loss"], r["mtp_loss"])
-        assert _close(g["grad_norm"], r["grad_norm"], 1e-6), (name, g["grad_norm"])
+        assert close(g["loss"], r["loss"], 1e-9), (name, r["step"], g["loss"], r["loss"])
+        assert close(g["mtp_loss"], r["mtp_loss"], 1e-9), (name, g["mtp_loss"], r["mtp_loss"])
+        assert close(g["grad_norm"], r["grad_norm"], 1e-6), (name, g["grad_norm"])
         assert g["qk_clipped_heads"] == r["qk_clipped_heads"] > 0, (name, g, r)
         assert g["sample_ids"] == r["sample_ids"]
     assert len(assert_parameters_equal(runs["ref"], runs[name], 4)) > 50
@@ -73,7 +69,7 @@ def test_cp_checkpoint_resumes_on_one_rank(runs):
     ref, got = metrics(runs["ref"]), metrics(runs["resumed"])
     assert [m["step"] for m in got] == [3, 4]
     for g in got:
-        assert _close(g["loss"], ref[g["step"] - 1]["loss"], 1e-9), (g, ref[g["step"] - 1])
+        assert close(g["loss"], ref[g["step"] - 1]["loss"], 1e-9), (g, ref[g["step"] - 1])
     assert len(assert_parameters_equal(runs["ref"], runs["resumed"], 4)) > 50
 
 

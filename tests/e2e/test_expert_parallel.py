@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.runs import assert_parameters_equal, metrics, pretrain, pretrain_many
+from tests.helpers.runs import assert_parameters_equal, close, metrics, pretrain, pretrain_many
 
 ARGS = ["train.steps=6", "checkpoint.interval=3", "cluster.param_dtype=fp64"]
 LAYOUTS = {
@@ -43,17 +43,13 @@ def runs(tmp_path_factory):
     return out
 
 
-def _close(got: float, ref: float, rel: float) -> bool:
-    return abs(got - ref) <= rel * abs(ref)
-
-
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_losses_and_grad_norms_equal_one_rank(runs, name):
     ref, got = metrics(runs["ref"]), metrics(runs[name])
     assert [m["step"] for m in got] == list(range(1, 7))
     for r, g in zip(ref, got, strict=True):
-        assert _close(g["loss"], r["loss"], 1e-6), (name, r["step"], g["loss"], r["loss"])
-        assert _close(g["grad_norm"], r["grad_norm"], 1e-6), (name, r["step"], g["grad_norm"],
+        assert close(g["loss"], r["loss"], 1e-6), (name, r["step"], g["loss"], r["loss"])
+        assert close(g["grad_norm"], r["grad_norm"], 1e-6), (name, r["step"], g["grad_norm"],
                                                               r["grad_norm"])
 
 

@@ -68,6 +68,11 @@ def pretrain_concurrently(*jobs: tuple) -> list[subprocess.CompletedProcess]:
     return [f.result() for f in futures]
 
 
+def close(got: float, ref: float, rel: float) -> bool:
+    """|got - ref| <= rel |ref|: the layout tests' relative bound on per-step figures."""
+    return abs(got - ref) <= rel * abs(ref)
+
+
 def metrics(run_dir: Path) -> list[dict]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines if line.strip()]
