@@ -35,7 +35,8 @@ where a document starts. The intra-chunk scores are exact for any decay strength
 ``_intra_scores``), with no data-dependent choice of formula.
 
 What it deliberately does NOT do: GVA (H_v != H), the V-first state layout, fla's
-``allow_neg_eigval``, context parallelism, or a hand-written backward. The reference (and
+``allow_neg_eigval``, context parallelism (``model.ops.kda_context`` builds it on this op), or
+a hand-written backward. The reference (and
 ``kda_prologue``) is not a fast kernel.
 """
 
