@@ -175,8 +175,9 @@ class K3Model(nn.Module):
         """Whole rows of token ids -> this shard's (prefix, blocks, MTP's next-token
         embeddings or None)."""
         prefix, blocks = self.embed(packing.window(input_ids))
+        # by the config, not `self.mtp`: a first pipeline stage embeds them for the last one
         e_next = (self.embed_tokens(packing.window(next_token_ids(input_ids)))
-                  if self.mtp is not None else None)
+                  if self.config.num_nextn_predict_layers else None)
         return prefix, blocks, e_next
 
     def forward_stage(self, *inputs: torch.Tensor, cu_seqlens: torch.Tensor, seq_len: int,
