@@ -38,7 +38,7 @@ def runs(tmp_path_factory):
             text = " ".join(rng.choice(words) for _ in range(rng.randint(1, 10)))
             f.write(json.dumps({"text": text}) + "\n")
     corpus = prepare([root / "docs.jsonl"], root / "corpus", "byte", workers=1, progress=False)
-    args = ["data=prepared", f"data.dataset={corpus}", "train.steps=4", "checkpoint.interval=2",
+    args = ["data=prepared", f"data.dataset={corpus}", "train.steps=3", "checkpoint.interval=2",
             "cluster.param_dtype=fp64", "optim.qk_clip_tau=2.0",
             "model.num_nextn_predict_layers=1"]
     out = {n: root / n for n in ("ref", "resumed", *LAYOUTS)}
@@ -55,22 +55,22 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layouts_equal_one_rank(runs, name):
     ref, got = metrics(runs["ref"]), metrics(runs[name])
-    assert [m["step"] for m in got] == [1, 2, 3, 4]
+    assert [m["step"] for m in got] == [1, 2, 3]
     for r, g in zip(ref, got, strict=True):
         assert close(g["loss"], r["loss"], 1e-9), (name, r["step"], g["loss"], r["loss"])
         assert close(g["mtp_loss"], r["mtp_loss"], 1e-9), (name, g["mtp_loss"], r["mtp_loss"])
         assert close(g["grad_norm"], r["grad_norm"], 1e-6), (name, g["grad_norm"])
         assert g["qk_clipped_heads"] == r["qk_clipped_heads"] > 0, (name, g, r)
         assert g["sample_ids"] == r["sample_ids"]
-    assert len(assert_parameters_equal(runs["ref"], runs[name], 4)) > 50
+    assert len(assert_parameters_equal(runs["ref"], runs[name], 3)) > 50
 
 
 def test_cp_checkpoint_resumes_on_one_rank(runs):
     ref, got = metrics(runs["ref"]), metrics(runs["resumed"])
-    assert [m["step"] for m in got] == [3, 4]
+    assert [m["step"] for m in got] == [3]
     for g in got:
         assert close(g["loss"], ref[g["step"] - 1]["loss"], 1e-9), (g, ref[g["step"] - 1])
-    assert len(assert_parameters_equal(runs["ref"], runs["resumed"], 4)) > 50
+    assert len(assert_parameters_equal(runs["ref"], runs["resumed"], 3)) > 50
 
 
 def test_documents_cross_and_start_inside_shards(runs):
