@@ -79,6 +79,12 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
+def shard_window(x: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """[B, T, ...] whole rows -> the contiguous slice [rank T / size, (rank + 1) T / size)."""
+    L = x.shape[1] // size
+    return x[:, rank * L:(rank + 1) * L]
+
+
 @dataclass(frozen=True)
 class ContextShard:
     """Where a context-parallel shard sits in its rows (`Packing.shard`).
@@ -156,14 +162,14 @@ class Packing:
         cu = self.cu_seqlens
         if cu is None:  # one document per row
             cu = torch.arange(0, B * T + 1, T, device=self.device, dtype=torch.int32)
-        row = torch.div(cu, T, rounding_mode="floor").clamp(max=B - 1)
-        local = row * L + (cu - row * T - start).clamp(0, L)  # monotone: a valid cu_seqlens
-        cpu = None
-        if self.cu_seqlens_cpu is not None:
-            c = self.cu_seqlens_cpu.to(torch.int64)
-            r = torch.div(c, T, rounding_mode="floor").clamp(max=B - 1)
-            cpu = (r * L + (c - r * T - start).clamp(0, L)).to(torch.int32)
-        out = Packing(B, L, self.device, local.to(torch.int32), min(self.max_seqlen, L), cpu)
+
+        def into_slice(c: torch.Tensor) -> torch.Tensor:  # monotone: a valid cu_seqlens
+            c = c.to(torch.int64)
+            row = torch.div(c, T, rounding_mode="floor").clamp(max=B - 1)
+            return (row * L + (c - row * T - start).clamp(0, L)).to(torch.int32)
+
+        cpu = None if self.cu_seqlens_cpu is None else into_slice(self.cu_seqlens_cpu)
+        out = Packing(B, L, self.device, into_slice(cu), min(self.max_seqlen, L), cpu)
         window = slice(start, start + L)
         out.pos_in_doc = self.pos_in_doc[:, window]  # positions in the whole documents
         out.context = ContextShard(rank, size, start, self, out.doc_ids[:, 0], out.doc_ids[:, -1],
@@ -175,7 +181,7 @@ class Packing:
         context parallelism)."""
         if self.context is None:
             return x
-        return x[:, self.context.start:self.context.start + self.seqlen]
+        return shard_window(x, self.context.rank, self.context.size)
 
     def _doc_views(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(doc_ids, pos_in_doc) [B, T] int64, from shapes and device tensors only."""

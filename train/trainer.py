@@ -32,6 +32,7 @@ from model.packing import (
     check_cu_seqlens,
     max_seqlen_bucket,
     pad_cu_seqlens,
+    shard_window,
     to_device,
 )
 from parallel.dims import ParallelDims
@@ -63,6 +64,9 @@ def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
                         async_save=job.checkpoint.async_save and env.device.type == "cuda")
     _check_same_model(job, ckpt, run_dir)
     loader = _build_loader(job, env, dp_rank, dims.dp)  # may still reject the config
+    resume_from = ckpt.latest() if job.checkpoint.enabled and job.checkpoint.resume else None
+    if resume_from is not None:  # a refused data state (seq_len, corpus) writes nothing
+        _load_loader_state(loader, json.loads((resume_from / "train_state.json").read_text()))
     if env.is_main:
         _save_resolved_config(job, run_dir)
     n_micro = job.data.global_batch // (dims.dp * job.data.micro_batch)
@@ -232,11 +236,7 @@ def train_step(pm: ParallelModel, optimizer: torch.optim.Optimizer, batches: lis
 def cp_window(labels: torch.Tensor, model: K3Model) -> torch.Tensor:
     """Whole rows of labels -> this rank's context-parallel slice (the model takes whole rows
     of token ids and windows them itself)."""
-    if model.context_shard is None:
-        return labels
-    rank, size = model.context_shard
-    L = labels.shape[1] // size
-    return labels[:, rank * L:(rank + 1) * L]
+    return labels if model.context_shard is None else shard_window(labels, *model.context_shard)
 
 
 def _pop_mtp_sums(model: K3Model, device: torch.device) -> torch.Tensor:
@@ -394,14 +394,18 @@ def _resume(ckpt: Checkpointer, path: Path, model, optimizer, scheduler, loader
             ) -> dict[str, Any]:
     ts = ckpt.load(path, model, optimizer)
     scheduler.load_state_dict(ts["scheduler"])
-    try:
-        loader.load_state_dict(ts["loader"])
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    _load_loader_state(loader, ts)
     if int(path.name.split("-")[1]) != ts["step"] or scheduler.last_epoch != ts["step"]:
         raise RuntimeError(f"checkpoint {path} is inconsistent (train_state step {ts['step']}, "
                            f"scheduler step {scheduler.last_epoch}); refusing to resume")
     return {"step": ts["step"], "tokens_seen": ts["tokens_seen"]}
+
+
+def _load_loader_state(loader: BatchLoader, train_state: dict) -> None:
+    try:
+        loader.load_state_dict(train_state["loader"])
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _check_same_model(job: JobConfig, ckpt: Checkpointer, run_dir: Path) -> None:

@@ -1,8 +1,8 @@
 """Several training jobs in one launch: `torchrun ... tests/helpers/multirun.py JOBS.json`.
 
-A 4-rank launch on the 2-core CI machine spends ~20 s before its first step (four interpreters
-importing torch, DTensor's and the meta registrations' first calls) against ~3 s per debug step;
-running a test module's layouts one after another in the same processes pays that once. Each
+A 4-rank launch on the 2-core CI machine spends a large share of a short run starting up (four
+interpreters importing torch, DTensor's and the meta registrations' first calls); running a test
+module's layouts one after another in the same processes pays that once. Each
 job is exactly what `launch/pretrain.py` does with its overrides (`load_job`, then `train` on
 the process group initialised once); rank 0's console output goes to `<run dir>.stdout`. JOBS.json
 is a list of `[run_dir, [overrides...]]`. Any failure prints its traceback and exits 1.
