@@ -35,7 +35,7 @@ def _one_line(e: BaseException) -> str:
     return text
 
 
-def load_job(overrides: list[str], world_size: int) -> JobConfig:
+def load_job(overrides: list[str], world_size: int, check_device: bool = True) -> JobConfig:
     """Compose and validate; raises ConfigError with a one-line message."""
     ConfigStore.instance().store(name="job_schema", node=JobConfig)
     try:
@@ -54,7 +54,7 @@ def load_job(overrides: list[str], world_size: int) -> JobConfig:
         raise ConfigError(_one_line(e)) from None
     if job.run.name is None:
         job.run.name = f"k3-{model_choice}"
-    return validate_job(job, world_size)
+    return validate_job(job, world_size, check_device)
 
 
 def main(argv: list[str]) -> int:

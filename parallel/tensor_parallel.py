@@ -157,7 +157,9 @@ def _scope_locals(owner: nn.Module, method: str, roots: list[nn.Module],
             p = m._parameters.get(n)
             # only parameters gathered to the tp mesh: expert-parallel experts live on the expert
             # mesh and are localised by their dispatcher (inside their own FSDP unit)
-            if isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == ("tp",):
+            # (a wrapper nested in another, the MTP layer's in the root's, leaves it installed)
+            if isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == ("tp",) \
+                    and n not in m.__dict__:
                 object.__setattr__(m, n, p.to_local())
                 installed.append((m, n))
         try:

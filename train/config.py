@@ -148,8 +148,9 @@ def _need(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
-def validate_job(job: JobConfig, world_size: int) -> JobConfig:
-    """All cross-field checks; mutates nothing but resolves `parallel.dp_shard=-1`."""
+def validate_job(job: JobConfig, world_size: int, check_device: bool = True) -> JobConfig:
+    """All cross-field checks; mutates nothing but resolves `parallel.dp_shard=-1`.
+    `check_device=False` (the dry run) accepts a CUDA cluster on a machine without one."""
     from parallel.dims import ParallelDims
 
     job.model.validate()
@@ -165,7 +166,7 @@ def validate_job(job: JobConfig, world_size: int) -> JobConfig:
           "cluster.param_dtype=bf16 on CPU is not supported (slow, see cpu-testing.md); use fp32")
     _need(not (c.device == "cuda" and c.param_dtype == "fp64"),
           "cluster.param_dtype=fp64 is a CPU verification mode; use bf16 or fp32 on cuda")
-    if c.device == "cuda":
+    if c.device == "cuda" and check_device:
         import torch
 
         _need(torch.cuda.is_available(),
