@@ -86,10 +86,11 @@ def _kda(cfg: ModelConfig, sh: Shard) -> list[Term]:
     ]
     if sh.cp > 1:  # KCP (model.ops.kda_context), K = V = D per head, fp32 states
         terms.append(Term("kda.kcp_wide_v", S * H * 2 * D * a, selective=True))
+        terms.append(Term("kda.kcp_cross", S * HD * a))  # o_wide's M part, for the correction
         state, wide = H * D * D * F32, H * D * 2 * D * F32
-        # per-document initial states of both passes (zeros but for each row's entering
-        # document), each row's [0 | I] start, the gathered maps, the composition's states
-        states = (sh.docs * (wide + state) + sh.batch * wide + sh.cp * sh.batch * wide
+        # per-document initial states (zeros but for each row's entering document), each
+        # row's [0 | I] start, the gathered maps, the composition's states
+        states = ((sh.docs + sh.batch + sh.cp * sh.batch) * wide
                   + (sh.cp + 1) * sh.batch * state)
         terms.append(Term("kda.kcp_states", states, selective=True))
     return terms

@@ -8,7 +8,8 @@ three ops that look along the sequence exchange what they need over cp:
 - KDA (KCP, `model.ops.kda_context`): each rank computes its shard's affine state map (M, S~)
   per row and head from a zero state, one all-gather shares them (B x H x K x (K + V) values
   per rank and layer, whatever the length), each rank composes the maps of the ranks before it
-  (cut at document starts) into its true entering state and runs its shard from it. The
+  (cut at document starts) into its true entering state, and adds that state's effect to
+  the same pass's output (exact: the widened pass also carries each token's M_t). The
   all-gather's backward (a reduce-scatter) returns the entering state's gradient to the ranks
   whose maps made it.
 - The short convolutions: the previous rank's last (kernel - 1) inputs, from one all-gather of
@@ -34,7 +35,7 @@ from model.decoder import K3Model
 from model.kda import KimiDeltaAttention
 from model.mla import GatedMLA
 from model.ops.attention import packed_causal_attention
-from model.ops.kda_context import fragment_maps, incoming_states, kda_from_incoming
+from model.ops.kda_context import corrected_output, fragment_pass, incoming_states
 from model.packing import Packing
 from model.short_conv import ShortConv
 from parallel.collectives import all_gather
@@ -65,13 +66,12 @@ def kcp_kda(group, rank: int, size: int):
         V = v.shape[-1]
         flat = [t.reshape(1, B * L, *t.shape[2:]) for t in (q, k, v, f, b)]
         where = (packing.cu_seqlens, ctx.first_doc, ctx.carry)
-        M, S = fragment_maps(*flat, *where, ctx.last_doc, chunk_size, gate,
-                             packing.cu_seqlens_cpu)
+        M, S, o_wide = fragment_pass(*flat, *where, ctx.last_doc, chunk_size, gate,
+                                     packing.cu_seqlens_cpu)
         maps = all_gather(torch.cat([M, S], dim=-1).contiguous(), 0, group)
         maps = maps.view(size, B, H, K, K + V)
         state = incoming_states(maps[..., :K], maps[..., K:], rank)
-        o = kda_from_incoming(*flat, *where, state, chunk_size, gate, packing.cu_seqlens_cpu)
-        return o.view(B, L, H, V)
+        return corrected_output(o_wide, state).view(B, L, H, V)
 
     return op
 

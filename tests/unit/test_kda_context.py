@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from model.ops.kda import KDAGate, kda_prologue, recurrent_kda
-from model.ops.kda_context import fragment_maps, incoming_states, kda_from_incoming
+from model.ops.kda_context import corrected_output, fragment_pass, incoming_states
 from model.packing import Packing
 
 B, T, H, D = 2, 840, 2, 4  # 840 = lcm(1..8): every shard count divides the rows
@@ -46,22 +46,19 @@ def _sharded(xs, gate, n, s0):
     full = Packing.from_host(CU, B, T, "cpu")
     shards = [full.shard(r, n) for r in range(n)]
     L = T // n
-    flats, maps = [], []
+    maps = []
     for r, p in enumerate(shards):
         ctx = p.context
         carry = ctx.carry | torch.tensor(r == 0 and s0 is not None)  # a state before the rows
         flat = [x[:, ctx.start:ctx.start + L].reshape(1, B * L, *x.shape[2:]) for x in xs]
-        flats.append((flat, carry))
-        maps.append(fragment_maps(*flat, p.cu_seqlens, ctx.first_doc, carry, ctx.last_doc,
+        maps.append(fragment_pass(*flat, p.cu_seqlens, ctx.first_doc, carry, ctx.last_doc,
                                   chunk_size=16, gate=gate))
-    M = torch.stack([m for m, _ in maps])  # [n, B, H, D, D]: what the all-gather delivers
-    S = torch.stack([s for _, s in maps])
+    M = torch.stack([m for m, _, _ in maps])  # [n, B, H, D, D]: what the all-gather delivers
+    S = torch.stack([s for _, s, _ in maps])
     outs = []
-    for r, (p, (flat, carry)) in enumerate(zip(shards, flats)):
+    for r, (_, _, o_wide) in enumerate(maps):
         state = incoming_states(M, S, r, initial=s0)
-        o = kda_from_incoming(*flat, p.cu_seqlens, p.context.first_doc, carry, state,
-                              chunk_size=16, gate=gate)
-        outs.append(o.view(B, L, H, D))
+        outs.append(corrected_output(o_wide, state).view(B, L, H, D))
     return torch.cat(outs, dim=1)
 
 
@@ -87,8 +84,8 @@ def test_a_document_start_cuts_the_chain():
     p = Packing.from_host(CU, B, T, "cpu").shard(2, 8)  # tokens 210..315 of each row
     L = T // 8
     flat = [x[:, 210:315].reshape(1, B * L, *x.shape[2:]) for x in xs]
-    M, _ = fragment_maps(*flat, p.cu_seqlens, p.context.first_doc, p.context.carry,
-                         p.context.last_doc, chunk_size=16, gate=gate)
+    M, _, _ = fragment_pass(*flat, p.cu_seqlens, p.context.first_doc, p.context.carry,
+                            p.context.last_doc, chunk_size=16, gate=gate)
     assert p.context.carry.tolist() == [True, True]
     assert M[0].abs().max() == 0  # row 0: documents start at 300 and 301
     assert M[1].abs().max() > 0.3  # row 1: one document passes straight through
