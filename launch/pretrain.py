@@ -75,7 +75,7 @@ def main(argv: list[str]) -> int:
         return 0
 
     from train.distributed import init_distributed, shutdown
-    from train.trainer import train
+    from train.trainer import TrainingStopped, train
 
     env = init_distributed(job.cluster.device, job.cluster.backend, job.cluster.timeout_s)
     try:
@@ -84,6 +84,10 @@ def main(argv: list[str]) -> int:
         if env.is_main:
             print(f"error: {e}", file=sys.stderr)
         shutdown(2)
+    except TrainingStopped as e:
+        if env.is_main:
+            print(f"error: {e}", file=sys.stderr)
+        shutdown(3)
     except BaseException:
         import traceback
 

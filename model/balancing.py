@@ -102,9 +102,12 @@ def margin_histogram(scores: Tensor, bias: Tensor, topk: int, num_bins: int = 10
     n = r.shape[1]
     lo, hi = _bounds(bias)
     width = (hi - lo) / num_bins
+    # a token with a non-finite score (a NaN step, skipped by the trainer) is not counted
+    ok = torch.isfinite(r).all(dim=1, keepdim=True)
+    r = torch.where(ok, r, lo.to(r.dtype))
     idx = torch.floor((r - lo) / width).clamp_(0, num_bins - 1).long()
     idx += torch.arange(n, device=r.device) * num_bins  # flat index expert*B + bin
-    return count_ids(idx.flatten(), n * num_bins).view(n, num_bins)
+    return count_ids(idx.flatten(), n * num_bins, ok.expand_as(idx).flatten()).view(n, num_bins)
 
 
 def _histogram_quantile(counts: Tensor, bias: Tensor, topk: int) -> Tensor:
@@ -143,17 +146,22 @@ def quantile_balance_update_from_histogram(counts: Tensor, bias: Tensor, topk: i
     return torch.where(counts[0].sum() > 0, new, old)
 
 
-def count_ids(ids: Tensor, n: int) -> Tensor:
-    """int64 ``[n]``: how often each of 0..n-1 occurs in ``ids`` (ids must lie in [0, n)).
+def count_ids(ids: Tensor, n: int, keep: Tensor | None = None) -> Tensor:
+    """int64 ``[n]``: how often each of 0..n-1 occurs in ``ids`` (ids must lie in [0, n)),
+    counting only where the bool mask ``keep`` (ids' shape) is true, if given.
 
     A scatter-add into a fixed-size buffer: unlike ``torch.bincount``, whose output size
     depends on ``ids.max()``, it never reads data back to the host (no GPU sync), and integer
     adds make it deterministic."""
     flat = ids.reshape(-1).long()
-    return torch.zeros(n, dtype=torch.int64, device=ids.device).scatter_add_(
-        0, flat, torch.ones_like(flat))
+    ones = torch.ones_like(flat) if keep is None else keep.reshape(-1).long()
+    return torch.zeros(n, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, ones)
 
 
-def expert_loads(topk_idx: Tensor, n: int) -> Tensor:
-    """Tokens routed to each expert: int64 ``[n]`` from selected expert ids ``[m, k]``."""
-    return count_ids(topk_idx, n)
+def expert_loads(topk_idx: Tensor, n: int, scores: Tensor | None = None) -> Tensor:
+    """Tokens routed to each expert: int64 ``[n]`` from selected expert ids ``[m, k]``; with
+    their ``scores`` [m, n], tokens with a non-finite score are not counted."""
+    if scores is None:
+        return count_ids(topk_idx, n)
+    keep = torch.isfinite(scores).all(dim=1, keepdim=True).expand_as(topk_idx)
+    return count_ids(topk_idx, n, keep)

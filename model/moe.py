@@ -41,7 +41,8 @@ def record_router_stats(qb_counts: torch.Tensor, expert_load: torch.Tensor,
                         scores: torch.Tensor, bias: torch.Tensor, topk_idx: torch.Tensor,
                         top_k: int) -> None:
     """qb_counts [E, bins] += the margin histogram of `scores` [S, E] (detached) under `bias`;
-    expert_load [E] += the tokens routed to each expert (`topk_idx` [S, k]); nothing while
+    expert_load [E] += the tokens routed to each expert (`topk_idx` [S, k]); tokens with a
+    non-finite score count in neither (the trainer skips such a step); nothing while
     autograd runs a backward pass (activation-checkpoint recompute must not count twice).
 
     A custom op so that the check runs when the op runs, not when torch.compile traces the layer:
@@ -51,7 +52,7 @@ def record_router_stats(qb_counts: torch.Tensor, expert_load: torch.Tensor,
     if in_recomputation():
         return
     qb_counts += margin_histogram(scores, bias, top_k, qb_counts.shape[1])
-    expert_load += expert_loads(topk_idx, expert_load.shape[0])
+    expert_load += expert_loads(topk_idx, expert_load.shape[0], scores)
 
 
 @record_router_stats.register_fake

@@ -36,8 +36,14 @@ def takes_grad_scale(optimizer) -> bool:
             and bool(optimizer.defaults.get("fused")))
 
 
-def clip_grad_norm(params, max_norm: float, pp: int = 1, optimizer=None) -> float:
+def clip_grad_norm(params, max_norm: float, pp: int = 1, optimizer=None,
+                   flags: torch.Tensor | None = None) -> float:
     """Clip to `max_norm` (inf: measure only); returns the norm before clipping.
+
+    `flags` [rows, world] (float64, zeros but what the caller set in this rank's column):
+    this rank sets its last row's entry to 1 if its own gradients are not finite, and the same
+    all-reduce as the norm sums the flags, so every rank learns which ranks produced a
+    non-finite step at no extra cost.
 
     The gradients are scaled in place, except for an `optimizer` that `takes_grad_scale`: it
     gets grad_scale = 1 / clip factor (a device tensor) and applies it inside its own pass over
@@ -60,8 +66,15 @@ def clip_grad_norm(params, max_norm: float, pp: int = 1, optimizer=None) -> floa
     for (copies, _, _), pieces in groups.items():
         norms = torch.stack(torch._foreach_norm(pieces, 2, dtype=torch.float64))
         total += norms.pow(2).sum().to(device) / copies
+    if flags is not None:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        flags[-1, rank] = (~torch.isfinite(total)).to(flags.dtype).to(flags.device)
+        total = torch.cat([total.view(1), flags.flatten().to(total.device)])
     if dist.is_initialized():
         dist.all_reduce(total)
+    if flags is not None:
+        flags.copy_(total[1:].view_as(flags))
+        total = total[0]
     norm = total.sqrt()
     fold = optimizer is not None and takes_grad_scale(optimizer)
     if fold:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from model.config import ConfigError, ModelConfig
 
@@ -107,6 +108,10 @@ class TrainConfig:
     count_host_syncs: bool = False
     # [a, b]: torch.profiler trace of steps a..b (1-based) into <run dir>/profile/ (train.profiling)
     profile_steps: list[int] = field(default_factory=list)
+    # a step whose loss or gradient norm is not finite on any rank is skipped on all ranks; this
+    # many in a row stop the run (its last checkpoint is a good one)
+    max_skipped_in_a_row: int = 5
+    spike_factor: float = 3.0  # log a loss above this x the running median (0: off)
 
 
 @dataclass
@@ -126,6 +131,15 @@ class MetricsConfig:
 
 
 @dataclass
+class DebugConfig:
+    """Test-only fault injection (train.faults)."""
+
+    inject_nonfinite_steps: list[int] = field(default_factory=list)  # NaN loss on the last rank
+    # [{step: 3, rank: 1, where: loss | activation | grad}, ...]
+    inject_nonfinite: list[Any] = field(default_factory=list)
+
+
+@dataclass
 class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -137,6 +151,7 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
 
     @property
     def run_dir(self) -> Path:
@@ -219,6 +234,13 @@ def validate_job(job: JobConfig, world_size: int, check_device: bool = True) -> 
           f"train.steps={t.steps}, e.g. train.profile_steps=[3,4]")
     _need(t.stop_at_step is None or 0 < t.stop_at_step <= t.steps,
           f"train.stop_at_step={t.stop_at_step} must be in 1..train.steps={t.steps}")
+    _need(t.max_skipped_in_a_row > 0,
+          f"train.max_skipped_in_a_row={t.max_skipped_in_a_row} must be > 0")
+    _need(t.spike_factor == 0 or t.spike_factor > 1,
+          f"train.spike_factor={t.spike_factor} must be > 1, or 0 to turn spike logging off")
+    from train.faults import check_injections
+
+    _need(*check_injections(job.debug, world_size))
     _need(k.interval > 0, f"checkpoint.interval={k.interval} must be > 0")
     _need(k.keep > 0, f"checkpoint.keep={k.keep} must be > 0 (the latest is always kept)")
     _need(job.metrics.wandb_mode in ("auto", "online", "offline", "disabled"),

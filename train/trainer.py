@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import time
 from dataclasses import asdict
@@ -44,6 +45,7 @@ from parallel.tensor_parallel import allreduce_replicated_grads
 from train.checkpoint import Checkpointer
 from train.config import JobConfig
 from train.distributed import DistEnv
+from train.faults import Injections, poison_grad, poison_loss, poisoned_activation
 from train.flops import peak_flops, step_flops
 from train.host_syncs import HostSyncCounter
 from train.layout_images import attnres_weights, router_matrices
@@ -88,6 +90,10 @@ def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
         if env.is_main and loader.resume_note:
             print(loader.resume_note, flush=True)
 
+    state.setdefault("skipped_steps", 0)  # checkpoints from before the counter
+    injections = Injections(job.debug, env.rank, env.world_size)
+    skipped = SkippedSteps(job.train.max_skipped_in_a_row, env.is_main)
+    spikes = SpikeLog(job.train.spike_factor, env.is_main)
     stop = job.train.stop_at_step or job.train.steps
     peak = job.cluster.peak_tflops * 1e12 if job.cluster.peak_tflops else peak_flops(env.device)
     metrics = MetricsLogger(run_dir, env.rank, job.train.steps, _plain(job),
@@ -108,14 +114,22 @@ def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
             if tau is not None:
                 reset_logits(model)
             with syncs.step if syncs else contextlib.nullcontext():
-                loss, _, grad_norm, step_model_flops, mtp_loss = train_step(
-                    pm, optimizer, batches, env, job.optim.grad_clip, syncs, flops)
-            qk = {} if tau is None else _qk_clip(pm, job.model, tau, env.device)
+                result = train_step(pm, optimizer, batches, env, job.optim.grad_clip, syncs,
+                                    flops, frozenset(injections.at(state["step"] + 1)))
+            loss, _, grad_norm, step_model_flops, mtp_loss, bad_ranks = result
             lr = scheduler.get_last_lr()[0]
-            scheduler.step()
-            loads = _layer_stats(model, balance_routers(model, meshes.batch_group),
-                                 ep_load_metrics(model),
-                                 meshes.pp.get_group() if meshes.pp is not None else None)
+            if result.skipped:  # nothing of this step lands: no update, bias, clip or LR step
+                qk, loads = {}, {}
+                _drop_routing_stats(model)
+                skipped.record(state, state["step"] + 1, bad_ranks)
+            else:
+                skipped.in_a_row = 0
+                qk = {} if tau is None else _qk_clip(pm, job.model, tau, env.device)
+                scheduler.step()
+                loads = _layer_stats(model, balance_routers(model, meshes.batch_group),
+                                     ep_load_metrics(model),
+                                     meshes.pp.get_group() if meshes.pp is not None else None)
+                spikes.check(state["step"] + 1, loss)
             state["step"] += 1
             state["tokens_seen"] += job.data.global_batch * job.data.seq_len
             dt = time.perf_counter() - t0
@@ -133,7 +147,10 @@ def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
                 "step_time_s": dt, "tokens_seen": state["tokens_seen"],
                 **loads, **qk,
                 **memory_stats(env.device),
-                **(syncs.metrics() if syncs else {})}
+                **(syncs.metrics() if syncs else {}),
+                "skipped_steps": state["skipped_steps"],
+                **({"skipped_ranks": bad_ranks} if result.skipped else {}),
+                **({"loss_spike": 1} if spikes.last == state["step"] else {})}
             if job.train.log_sample_ids:
                 scalars["sample_ids"] = _global_sample_ids(batches, env, meshes.dp_group)
             metrics.log_step(state["step"], scalars)
@@ -141,6 +158,7 @@ def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
                 _log_images(pm, metrics, state["step"], batches[0], env,
                             DTYPES[job.cluster.param_dtype])
             _reset_expert_loads(model)
+            skipped.check(state["step"])
             done = state["step"] == stop
             if job.checkpoint.enabled and (state["step"] % job.checkpoint.interval == 0 or done):
                 t_save = time.perf_counter()
@@ -155,6 +173,60 @@ def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
     finally:
         metrics.close()
     return state
+
+
+class TrainingStopped(RuntimeError):
+    """The run cannot go on (e.g. too many non-finite steps in a row); one line for the user."""
+
+
+class SkippedSteps:
+    """Counts non-finite steps (cumulative in the train state, and in a row)."""
+
+    def __init__(self, limit: int, is_main: bool) -> None:
+        self.limit, self.is_main, self.in_a_row = limit, is_main, 0
+
+    def record(self, state: dict, step: int, ranks: list[int]) -> None:
+        state["skipped_steps"] += 1
+        self.in_a_row += 1
+        if self.is_main:
+            who = f"rank(s) {ranks}" if ranks else "the reduced gradient norm"
+            print(f"step {step}: non-finite loss or gradient on {who}: step skipped (no update, "
+                  f"router statistics dropped, LR held; {state['skipped_steps']} skipped so far)",
+                  flush=True)
+
+    def check(self, step: int) -> None:
+        if self.in_a_row >= self.limit:
+            raise TrainingStopped(
+                f"{self.in_a_row} non-finite steps in a row (train.max_skipped_in_a_row="
+                f"{self.limit}) up to step {step}; the last checkpoint is from before them: "
+                "lower optim.lr or inspect the data, then resume")
+
+
+class SpikeLog:
+    """Logs a loss above `factor` x the running median of the last 100 finite losses."""
+
+    def __init__(self, factor: float, is_main: bool) -> None:
+        self.factor, self.is_main = factor, is_main
+        self.recent: list[float] = []
+        self.last: int | None = None  # the step of the latest spike
+
+    def check(self, step: int, loss: float) -> None:
+        if self.factor and len(self.recent) >= 10:
+            median = sorted(self.recent)[len(self.recent) // 2]
+            if loss > self.factor * median:
+                self.last = step
+                if self.is_main:
+                    print(f"step {step}: loss spike {loss:.4f} > {self.factor:g} x running "
+                          f"median {median:.4f}", flush=True)
+        self.recent = (self.recent + [loss])[-100:]
+
+
+def _drop_routing_stats(model: K3Model) -> None:
+    """A skipped step's Quantile-Balancing histograms and expert loads (and EP's) are void."""
+    for moe in model.moe_layers():
+        moe.gate.qb_counts.zero_()
+    _reset_expert_loads(model)
+    ep_load_metrics(model)
 
 
 class SyncCounts:
@@ -177,17 +249,28 @@ class StepResult(NamedTuple):
     grad_norm: float  # before clipping
     flops: float  # model FLOPs of the global batch
     mtp_loss: float | None  # the MTP head's token-mean loss (None without MTP)
+    # ranks whose loss was not finite, else those whose (reduced) gradients were not
+    nonfinite_ranks: list[int] = []
+
+    @property
+    def skipped(self) -> bool:
+        """No optimizer step was taken: a loss or the gradient norm was not finite."""
+        return bool(self.nonfinite_ranks) or not (math.isfinite(self.loss)
+                                                  and math.isfinite(self.grad_norm))
 
 
 def train_step(pm: ParallelModel, optimizer: torch.optim.Optimizer, batches: list[dict],
                env: DistEnv, grad_clip: float, syncs: SyncCounts | None = None,
-               local_flops: float = 0.0) -> StepResult:
+               local_flops: float = 0.0, faults: frozenset[str] = frozenset()) -> StepResult:
     """Forward/backward over this rank's micro-batches (or the pipeline schedule), clip, step.
 
     `local_flops` summed over the data-parallel ranks gives the global batch's model FLOPs.
     The objective is (next-token loss sum + mtp_loss_weight x MTP loss sum) / global targets.
     Host reads per step outside the model: the global token counts (with the FLOPs), the loss
     sums and the gradient norm (one each), plus the router-balancing ratios after the step.
+    A non-finite loss or gradient on any rank (both are reduced over every rank, so all ranks
+    agree) skips the optimizer step; the gradients are dropped. `faults`: test-only injection
+    on this rank (`train.faults`).
     """
     in_model = syncs.model if syncs else contextlib.nullcontext()
     model, dims = pm.model, pm.dims
@@ -203,34 +286,47 @@ def train_step(pm: ParallelModel, optimizer: torch.optim.Optimizer, batches: lis
     global_tokens = int(global_tokens)
     # FSDP averages over dp x cp ranks: undo, then / tokens
     scale = dims.loss_scale_ranks / max(global_tokens, 1)
-    if pm.schedule is not None:
-        loss_sum = _pipeline_forward_backward(pm, batches, env, scale, in_model)
-    else:
-        loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
-        for i, mb in enumerate(batches):
-            set_gradient_sync(model, i == len(batches) - 1)
-            ids = to_device(mb["input_ids"], env.device)  # pinned, non-blocking on CUDA
-            packing = Packing.from_host(mb["cu_seqlens"], *ids.shape, env.device,
-                                        bucket=pm.compiled)
-            labels = cp_window(to_device(mb["labels"], env.device), pm.model)
-            with in_model:
-                s, _ = model(ids, packing, labels=labels)
-                (s * scale).backward()
-            loss_sum += s.detach().double()
+    with poisoned_activation(model, "activation" in faults):
+        if pm.schedule is not None:
+            loss_sum = poison_loss(_pipeline_forward_backward(pm, batches, env, scale, in_model),
+                                   "loss" in faults)  # under PP: the loss sum only
+        else:
+            loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
+            for i, mb in enumerate(batches):
+                set_gradient_sync(model, i == len(batches) - 1)
+                ids = to_device(mb["input_ids"], env.device)  # pinned, non-blocking on CUDA
+                packing = Packing.from_host(mb["cu_seqlens"], *ids.shape, env.device,
+                                            bucket=pm.compiled)
+                labels = cp_window(to_device(mb["labels"], env.device), pm.model)
+                with in_model:
+                    s, _ = model(ids, packing, labels=labels)
+                    s = poison_loss(s, "loss" in faults and i == 0)
+                    (s * scale).backward()
+                loss_sum += s.detach().double()
+    if "grad" in faults:
+        poison_grad(model)
     sums = torch.stack([loss_sum, _pop_mtp_sums(model, env.device)])
+    # [loss, gradients] x ranks, all-reduced with the gradient norm: the loss flags name the
+    # rank a NaN came from (gradients are non-finite on every rank after a reduce-scatter)
+    flags = torch.zeros(2, env.world_size, dtype=torch.float64, device=env.device)
+    flags[0, env.rank] = (~torch.isfinite(sums).all()).double()
     dist.all_reduce(sums)  # data ranks; 0 on non-last pp stages
     sums /= dims.tp  # the vocabulary-parallel loss: every tp rank holds the full sum
     if pm.tp_params:
         allreduce_replicated_grads(pm.tp_params, pm.meshes.tp.get_group())
     finalize_expert_grads(pm.expert_params, dims.expert_grad_divisor)
     max_norm = grad_clip if grad_clip > 0 else float("inf")
-    norm = clip_grad_norm(model.parameters(), max_norm, dims.pp, optimizer)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    total, mtp_sum = sums.tolist()
+    norm = clip_grad_norm(model.parameters(), max_norm, dims.pp, optimizer, flags)
+    total, mtp_sum, *flat = torch.cat([sums, flags.flatten()]).tolist()  # one read
     main = total - cfg.mtp_loss_weight * mtp_sum if mtp else total
-    return StepResult(main / max(global_tokens, 1), global_tokens, norm, global_flops,
-                      mtp_sum / max(global_mtp, 1) if mtp else None)
+    loss_bad, grad_bad = ([r for r in range(env.world_size) if flat[i * env.world_size + r] > 0]
+                          for i in (0, 1))
+    result = StepResult(main / max(global_tokens, 1), global_tokens, norm, global_flops,
+                        mtp_sum / max(global_mtp, 1) if mtp else None, loss_bad or grad_bad)
+    if not result.skipped:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return result
 
 
 def cp_window(labels: torch.Tensor, model: K3Model) -> torch.Tensor:

@@ -224,3 +224,20 @@ def test_empty_histogram_keeps_bias_and_loads() -> None:
     assert torch.equal(quantile_balance_update(torch.rand(0, 4), b, 2), b)
     idx = torch.tensor([[0, 2], [2, 3], [0, 2]])
     assert expert_loads(idx, 5).tolist() == [2, 0, 3, 1, 0]
+
+
+def test_non_finite_scores_are_not_counted():
+    """A token with a NaN or inf score (a step the trainer will skip) is left out of the
+    histogram and the loads, instead of crashing the scatter-add with a garbage bin."""
+    from model.balancing import expert_loads, margin_histogram
+
+    g = torch.Generator().manual_seed(0)
+    scores = torch.rand(12, 8, generator=g)
+    bias = torch.randn(8, generator=g) * 0.1
+    bad = scores.clone()
+    bad[3, 2], bad[7] = float("nan"), float("inf")
+    keep = [i for i in range(12) if i not in (3, 7)]
+    assert torch.equal(margin_histogram(bad, bias, 2, 50),
+                       margin_histogram(scores[keep], bias, 2, 50))
+    idx = torch.topk(bad + bias, 2).indices
+    assert torch.equal(expert_loads(idx, 8, bad), expert_loads(idx[keep], 8))
