@@ -7,11 +7,22 @@ atomic rename once every rank has finished, so a crash (even kill -9) mid-write 
 previous checkpoint loadable and the partial one ignored. Loading goes through DCP's resharding,
 so any world size or layout can load any other. On CUDA saves are asynchronous (their own gloo
 group, cpu-testing.md trap 2) and published at the next save or at the end.
+
+Integrity: before publishing, `checksums.json` records the size and SHA-256 of every file of
+the checkpoint (each rank hashes its share of the files). Resuming takes the newest checkpoint
+whose files all match (`latest_intact`: each rank verifies a share, all agree); a missing,
+truncated or altered file is named in one line and that checkpoint skipped for the previous
+one. A save that fails (a full disk, an unwritable directory: `OSError` on any rank, which DCP
+raises on every rank) removes its temporary directory, leaves the published ones as they were,
+says so, and training goes on; the next interval tries again. DCP's `.metadata` is a pickle:
+load checkpoints from trusted sources only.
 """
 
 from __future__ import annotations
 
 import base64
+import errno
+import hashlib
 import json
 import os
 import re
@@ -23,6 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -61,6 +74,54 @@ def _fault_point(name: str, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+CHECKSUMS = "checksums.json"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _file_problem(path: Path, size: int, digest: str) -> str | None:
+    if not path.is_file():
+        return f"{path.name} is missing"
+    found = path.stat().st_size
+    if found != size:
+        return f"{path.name} is truncated or overwritten ({size} bytes recorded, {found} found)"
+    if _sha256(path) != digest:
+        return f"{path.name} is corrupted (its SHA-256 differs from the recorded one)"
+    return None
+
+
+class _FullDisk(FileSystemWriter):
+    """Fault injection (K3TRAIN_FAULT=enospc:<step>): the last rank's shard write fails as
+    on a full disk."""
+
+    def write_data(self, plan, planner):
+        raise OSError(errno.ENOSPC, "No space left on device (injected)", str(self.path))
+
+
+def _writer(tmp: Path, step: int):
+    if (os.environ.get("K3TRAIN_FAULT") == f"enospc:{step}"
+            and dist.get_rank() == dist.get_world_size() - 1):
+        return _FullDisk(str(tmp))
+    return None
+
+
+def _one_line(e: BaseException) -> str:
+    """The root cause of a failed save, in one line (DCP wraps each rank's exception)."""
+    if isinstance(e, CheckpointException):
+        for err in e.failures.values():
+            inner = err[0] if isinstance(err, tuple) else err
+            if isinstance(inner, BaseException):
+                return f"rank error: {_one_line(inner)}"
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -91,9 +152,49 @@ class Checkpointer:
         steps = self.complete_steps()
         return self.root / f"step-{steps[-1]:08d}" if steps else None
 
+    def problem(self, path: Path) -> str | None:
+        """What is wrong with checkpoint `path` (None: every recorded file matches), the same
+        on every rank: each verifies a share of the files. One without checksums.json (from
+        before they were recorded) only needs its .metadata and train_state.json."""
+        record_path = path / CHECKSUMS
+        found: str | None = None
+        if not record_path.is_file():
+            if not ((path / ".metadata").is_file() and (path / "train_state.json").is_file()):
+                found = f"{CHECKSUMS}, .metadata or train_state.json is missing"
+        else:
+            try:
+                record = json.loads(record_path.read_text())
+            except ValueError:
+                record, found = {}, f"{CHECKSUMS} is not valid JSON"
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            for name in sorted(record)[self.rank::world]:
+                found = found or _file_problem(path / name, record[name]["bytes"],
+                                               record[name]["sha256"])
+        if dist.is_initialized():
+            parts: list = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, found)
+            found = next((p for p in parts if p), None)
+        return found
+
+    def latest_intact(self, log=print) -> Path | None:
+        """The newest published checkpoint whose files all match their checksums; each one
+        skipped is named with its first problem (collective: every rank calls)."""
+        steps = sorted((int(m.group(1)) for d in (self.root.iterdir() if self.root.is_dir()
+                                                   else []) if (m := STEP_DIR.match(d.name))),
+                       reverse=True)
+        for step in steps:
+            path = self.root / f"step-{step:08d}"
+            problem = self.problem(path)
+            if problem is None:
+                return path
+            if self.rank == 0:
+                log(f"warning: checkpoint {path.name} is damaged ({problem}); skipping it")
+        return None
+
     # ----------------------------------------------------------------------- save
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             train_state: dict[str, Any]) -> None:
+             train_state: dict[str, Any]) -> bool:
+        """Save (or start saving) step `step`; False if it failed and was abandoned."""
         self.wait()  # publish the previous asynchronous save first
         tmp = self.root / f".tmp-step-{step:08d}"
         final = self.root / f"step-{step:08d}"
@@ -109,24 +210,61 @@ class Checkpointer:
         if self.rank == 0:
             payload = {**train_state, "rng": rngs, "world_size": dist.get_world_size()}
             (tmp / "train_state.json").write_text(json.dumps(payload))
-        if self.async_save:
-            future = dcp.async_save(state, checkpoint_id=str(tmp),
-                                    process_group=self._async_group)
-            self._pending = (future, tmp, final)
-        else:
-            dcp.save(state, checkpoint_id=str(tmp))
-            _fault_point("before_publish", step)
-            self._publish(tmp, final)
+        try:
+            if self.async_save:
+                future = dcp.async_save(state, checkpoint_id=str(tmp),
+                                        storage_writer=_writer(tmp, step),
+                                        process_group=self._async_group)
+                self._pending = (future, tmp, final)
+            else:
+                dcp.save(state, checkpoint_id=str(tmp), storage_writer=_writer(tmp, step))
+                _fault_point("before_publish", step)
+                self._publish(tmp, final)
+        except (OSError, CheckpointException) as e:
+            self._abandon(tmp, e)
+            return False
+        return True
 
     def wait(self) -> None:
         if self._pending is not None:
             future, tmp, final = self._pending
-            future.result()
             self._pending = None
-            self._publish(tmp, final)
+            try:
+                future.result()
+                self._publish(tmp, final)
+            except (OSError, CheckpointException) as e:
+                self._abandon(tmp, e)
+
+    def _abandon(self, tmp: Path, e: BaseException) -> None:
+        """A save failed on some rank (every rank gets here): drop its temporary directory."""
+        dist.barrier()
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            last = self.complete_steps()
+            kept = f"step-{last[-1]:08d} is intact" if last else "there is none yet"
+            print(f"warning: checkpoint {tmp.name.removeprefix('.tmp-')} not saved "
+                  f"({_one_line(e)}); the previous checkpoint {kept}; training goes on and "
+                  "the next interval tries again", flush=True)
+        dist.barrier()
+
+    def _record_checksums(self, tmp: Path) -> None:
+        """checksums.json: size and SHA-256 of every file in `tmp`, hashed by all ranks."""
+        world = dist.get_world_size()
+        names = sorted(p.name for p in tmp.iterdir() if p.is_file() and p.name != CHECKSUMS)
+        mine = {n: [(tmp / n).stat().st_size, _sha256(tmp / n)] for n in names[self.rank::world]}
+        parts: list = [None] * world
+        dist.all_gather_object(parts, mine)
+        if self.rank == 0:
+            record = {n: {"bytes": v[0], "sha256": v[1]}
+                      for part in parts for n, v in part.items()}
+            with open(tmp / CHECKSUMS, "w") as f:
+                json.dump(dict(sorted(record.items())), f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
 
     def _publish(self, tmp: Path, final: Path) -> None:
         dist.barrier()  # every rank's shards are on disk
+        self._record_checksums(tmp)
         if self.rank == 0:
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)

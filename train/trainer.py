@@ -64,9 +64,10 @@ def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
     run_dir = job.run_dir
     ckpt = Checkpointer(run_dir / "checkpoints", job.checkpoint.keep, env.rank,
                         async_save=job.checkpoint.async_save and env.device.type == "cuda")
-    _check_same_model(job, ckpt, run_dir)
+    resume_from = (ckpt.latest_intact(lambda m: print(m, flush=True))
+                   if job.checkpoint.enabled and job.checkpoint.resume else None)
+    _check_same_model(job, resume_from, run_dir)
     loader = _build_loader(job, env, dp_rank, dims.dp)  # may still reject the config
-    resume_from = ckpt.latest() if job.checkpoint.enabled and job.checkpoint.resume else None
     if resume_from is not None:  # a refused data state (seq_len, corpus) writes nothing
         _load_loader_state(loader, json.loads((resume_from / "train_state.json").read_text()))
     if env.is_main:
@@ -84,9 +85,8 @@ def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
     scheduler = build_scheduler(optimizer, job.train.steps, job.optim)
     state: dict[str, Any] = {"step": 0, "tokens_seen": 0}
     ckpt.clean_partial()
-    latest = ckpt.latest() if job.checkpoint.enabled and job.checkpoint.resume else None
-    if latest is not None:
-        state = _resume(ckpt, latest, model, optimizer, scheduler, loader)
+    if resume_from is not None:
+        state = _resume(ckpt, resume_from, model, optimizer, scheduler, loader)
         if env.is_main and loader.resume_note:
             print(loader.resume_note, flush=True)
 
@@ -162,10 +162,10 @@ def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
             done = state["step"] == stop
             if job.checkpoint.enabled and (state["step"] % job.checkpoint.interval == 0 or done):
                 t_save = time.perf_counter()
-                ckpt.save(state["step"], model, optimizer, {
+                saved = ckpt.save(state["step"], model, optimizer, {
                     **state, "loader": loader.state_dict(), "scheduler": scheduler.state_dict(),
                     "model_config": asdict(job.model), "optim_name": job.optim.name})
-                if env.is_main:
+                if saved and env.is_main:
                     print(f"checkpoint step-{state['step']:08d} "
                           f"{'started' if ckpt.async_save else 'saved'} in "
                           f"{time.perf_counter() - t_save:.2f} s", flush=True)
@@ -504,9 +504,8 @@ def _load_loader_state(loader: BatchLoader, train_state: dict) -> None:
         raise ConfigError(str(e)) from None
 
 
-def _check_same_model(job: JobConfig, ckpt: Checkpointer, run_dir: Path) -> None:
-    latest = ckpt.latest()
-    if latest is None or not job.checkpoint.resume:
+def _check_same_model(job: JobConfig, latest: Path | None, run_dir: Path) -> None:
+    if latest is None:
         return
     state = json.loads((latest / "train_state.json").read_text())
     saved = state.get("model_config", {})
