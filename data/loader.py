@@ -69,8 +69,9 @@ class BatchLoader:
             raise ValueError(f"data.global_batch/dp_size={G // D} is not divisible by "
                              f"data.micro_batch={mb}; use a micro_batch dividing {G // D}")
         if len(dataset) < 1:
-            raise ValueError("the dataset holds no full sample; prepare more text or lower "
-                             "seq_len")
+            raise ValueError(f"the dataset ({dataset.total_tokens} tokens) holds no full "
+                             f"window of data.seq_len={dataset.seq_len} + 1 tokens; prepare "
+                             "more text or lower data.seq_len")
         self.dataset, self.seed = dataset, seed
         self.global_batch, self.micro_batch = G, mb
         self.dp_rank, self.dp_size = dp_rank, D

@@ -65,6 +65,10 @@ def main(argv: list[str]) -> int:
     overrides = [a for a in argv if a != "--print-config"]
     try:
         job = load_job(overrides, world_size_from_env())
+        if not print_config:
+            from train.preflight import preflight
+
+            preflight(job, world_size_from_env())  # data, tokenizer, run directory
     except ConfigError as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)

@@ -250,5 +250,7 @@ def validate_job(job: JobConfig, world_size: int, check_device: bool = True) -> 
     parent = rd.resolve().parent
     while not parent.exists():
         parent = parent.parent
+    _need(parent.is_dir(), f"run.dir={str(rd)!r}: {str(parent)!r} is not a directory; "
+          "choose another run.dir")
     _need(os.access(parent, os.W_OK), f"run.dir={str(rd)!r} is not writable; choose another")
     return job

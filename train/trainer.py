@@ -21,10 +21,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from data.corpus import default_corpus_dir
-from data.dataset import PackedTokenDataset
 from data.loader import BatchLoader, local_target_tokens
-from data.tokenizer import load_tokenizer
 from model.config import ConfigError
 from model.decoder import K3Model
 from model.mtp import stack_targets
@@ -52,6 +49,7 @@ from train.layout_images import attnres_weights, router_matrices
 from train.metrics import MetricsLogger, memory_stats
 from train.model_stats import moe_layer_indices
 from train.optim import build_optimizer, build_scheduler
+from train.preflight import build_loader, check_same_model
 from train.profiling import StepProfiler, format_summary
 from train.qk_clip import qk_clip, qk_clip_metrics, reset_logits, track_logits
 
@@ -66,8 +64,8 @@ def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
                         async_save=job.checkpoint.async_save and env.device.type == "cuda")
     resume_from = (ckpt.latest_intact(lambda m: print(m, flush=True))
                    if job.checkpoint.enabled and job.checkpoint.resume else None)
-    _check_same_model(job, resume_from, run_dir)
-    loader = _build_loader(job, env, dp_rank, dims.dp)  # may still reject the config
+    check_same_model(job)  # (the launcher's preflight ran these checks before)
+    loader = build_loader(job, dp_rank, dims.dp)
     if resume_from is not None:  # a refused data state (seq_len, corpus) writes nothing
         _load_loader_state(loader, json.loads((resume_from / "train_state.json").read_text()))
     if env.is_main:
@@ -458,24 +456,6 @@ def _log_images(pm: ParallelModel, metrics: MetricsLogger, step: int, batch: dic
         metrics.log_images(step, load, weights, labels, bias, moe_layer_ids=layer_ids)
 
 
-def _build_loader(job: JobConfig, env: DistEnv, dp_rank: int, dp: int) -> BatchLoader:
-    d = job.data
-    if d.dataset == "stdlib":
-        folder = default_corpus_dir(d.tokenizer, max_bytes=d.stdlib_max_bytes)
-    else:
-        folder = Path(d.dataset)
-    dataset = PackedTokenDataset(folder, d.seq_len)
-    vocab = load_tokenizer(d.tokenizer).vocab_size
-    if vocab > job.model.vocab_size:
-        raise ConfigError(f"data.tokenizer has {vocab} tokens but model.vocab_size="
-                          f"{job.model.vocab_size}; raise model.vocab_size to >= {vocab}")
-    try:
-        return BatchLoader(dataset, d.global_batch, d.micro_batch, dp_rank, dp, d.seed,
-                           d.shuffle_block_tokens)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-
-
 def _describe_layout(pm: ParallelModel, env: DistEnv) -> None:
     d = pm.dims
     msg = (f"layout: world {d.world_size} = pp {d.pp} x dp_replicate {d.dp_replicate} x "
@@ -502,22 +482,6 @@ def _load_loader_state(loader: BatchLoader, train_state: dict) -> None:
         loader.load_state_dict(train_state["loader"])
     except ValueError as e:
         raise ConfigError(str(e)) from None
-
-
-def _check_same_model(job: JobConfig, latest: Path | None, run_dir: Path) -> None:
-    if latest is None:
-        return
-    state = json.loads((latest / "train_state.json").read_text())
-    saved = state.get("model_config", {})
-    diff = sorted(k for k, v in asdict(job.model).items() if saved.get(k) != v)
-    if diff:
-        raise ConfigError(f"run.dir={str(run_dir)!r} holds checkpoints of a different model "
-                          f"(model.{diff[0]} differs); use another run.dir or the same model")
-    optim = state.get("optim_name", "adamw")  # checkpoints before optim=muon: adamw
-    if optim != job.optim.name:
-        raise ConfigError(f"run.dir={str(run_dir)!r} holds checkpoints of optim={optim}, this "
-                          f"run has optim={job.optim.name}; use another run.dir (or run.name) "
-                          f"or optim={optim}")
 
 
 def _plain(job: JobConfig) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import torch
 
 from tests.helpers.runs import assert_parameters_equal, close, metrics, pretrain, pretrain_many
 
-ARGS = ["train.steps=6", "checkpoint.interval=3", "cluster.param_dtype=fp64"]
+ARGS = ["train.steps=4", "checkpoint.interval=3", "cluster.param_dtype=fp64"]
 LAYOUTS = {
     "ep2_static": (["parallel.ep=2", "parallel.ep_replicas=false"], 2),
     "ep4": (["parallel.ep=4"], 4),
@@ -46,7 +46,7 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_losses_and_grad_norms_equal_one_rank(runs, name):
     ref, got = metrics(runs["ref"]), metrics(runs[name])
-    assert [m["step"] for m in got] == list(range(1, 7))
+    assert [m["step"] for m in got] == list(range(1, 5))
     for r, g in zip(ref, got, strict=True):
         assert close(g["loss"], r["loss"], 1e-6), (name, r["step"], g["loss"], r["loss"])
         assert close(g["grad_norm"], r["grad_norm"], 1e-6), (name, r["step"], g["grad_norm"],
@@ -55,7 +55,7 @@ def test_losses_and_grad_norms_equal_one_rank(runs, name):
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_parameters_equal_one_rank(runs, name):
-    compared = assert_parameters_equal(runs["ref"], runs[name], 6)
+    compared = assert_parameters_equal(runs["ref"], runs[name], 4)
     assert sum(".experts." in k for k in compared) == 21  # w1, w3, w2 of the 7 MoE layers
 
 

@@ -24,8 +24,8 @@ from tests.helpers.runs import (
     pretrain_many,
 )
 
-ARGS = ["train.steps=5", "checkpoint.interval=3", "cluster.param_dtype=fp64"]
-IMAGES = "train.log_images_every=5"  # the diagnostic images of the whole model, any layout
+ARGS = ["train.steps=4", "checkpoint.interval=3", "cluster.param_dtype=fp64"]
+IMAGES = "train.log_images_every=4"  # the diagnostic images of the whole model, any layout
 LAYOUTS = {  # activation checkpointing and expert parallelism ride along (they change nothing)
     "dp4": [],
     "tp2_dp2": ["parallel.tp=2", "parallel.ep=2", "parallel.activation_checkpoint=full"],
@@ -75,7 +75,7 @@ def _close(got: float, ref: float, rel: float = 1e-4) -> bool:
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_losses_equal_one_rank(runs, name):
     ref, got = metrics(runs["ref"]), metrics(runs[name])
-    assert [m["step"] for m in got] == [1, 2, 3, 4, 5]
+    assert [m["step"] for m in got] == [1, 2, 3, 4]
     for r, g in zip(ref, got, strict=True):
         assert _close(g["loss"], r["loss"], 1e-6), (name, r["step"], g["loss"], r["loss"])
         assert _close(g["grad_norm"], r["grad_norm"], 1e-6), (name, g["grad_norm"])
@@ -89,8 +89,8 @@ def test_losses_equal_one_rank(runs, name):
 def test_images_equal_one_rank(runs, name):
     """Expert load, router bias and AttnRes depth weights of the whole model: gathered over
     pipeline stages (the image row sent through the stages), averaged over sequence slices."""
-    ref, got = (np.load(runs[n] / "plots" / "images-step-00000005.npz") for n in ("ref", name))
-    assert (runs[name] / "plots" / "attnres_depth-step-00000005.png").stat().st_size > 0
+    ref, got = (np.load(runs[n] / "plots" / "images-step-00000004.npz") for n in ("ref", name))
+    assert (runs[name] / "plots" / "attnres_depth-step-00000004.png").stat().st_size > 0
     assert np.array_equal(got["moe_layer_ids"], ref["moe_layer_ids"]) and len(ref["moe_layer_ids"])
     assert np.array_equal(got["attnres_labels"], ref["attnres_labels"])
     assert np.array_equal(got["expert_load"], ref["expert_load"]) and ref["expert_load"].sum()
@@ -115,13 +115,13 @@ def test_fp32_losses_equal_one_rank(runs):
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_parameters_equal_one_rank(runs, name):
-    assert len(assert_parameters_equal(runs["ref"], runs[name], 5)) > 50
+    assert len(assert_parameters_equal(runs["ref"], runs[name], 4)) > 50
 
 
 @pytest.mark.parametrize("name", ["to_zbv", "to_one"])
 def test_resume_under_another_layout(runs, name):
     ref, got = metrics(runs["ref"]), metrics(runs[name])
-    assert [m["step"] for m in got] == [4, 5]  # steps 1-3 came from the other layout
+    assert [m["step"] for m in got] == [4]  # steps 1-3 came from the other layout
     for g in got:
         r = ref[g["step"] - 1]
         assert _close(g["loss"], r["loss"], 1e-6), (name, g["step"], g["loss"], r["loss"])

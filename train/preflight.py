@@ -1,0 +1,99 @@
+"""The job's inputs checked before any process group starts: the data, the tokenizer, the batch
+layout over the data ranks and the run directory's checkpoints.
+
+`launch/pretrain.py` runs `preflight` after `validate_job` (the config alone), so a bad input
+fails in one line (`ConfigError`: names the field or file and the fix), exit code 2, nothing
+written, whether the job has one rank or thousands; the trainer builds the same loader again
+for its own data rank (`build_loader`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from data.corpus import default_corpus_dir
+from data.dataset import PackedTokenDataset
+from data.loader import BatchLoader
+from data.tokenizer import load_tokenizer
+from model.config import ConfigError
+from train.checkpoint import STEP_DIR
+from train.config import JobConfig
+
+
+def open_dataset(job: JobConfig) -> PackedTokenDataset:
+    """The packed token windows of `data.dataset` at `data.seq_len`."""
+    d = job.data
+    folder = (default_corpus_dir(d.tokenizer, max_bytes=d.stdlib_max_bytes)
+              if d.dataset == "stdlib" else Path(d.dataset))
+    try:
+        return PackedTokenDataset(folder, d.seq_len)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        what = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(f"data.dataset={str(folder)!r} is unreadable ({what}); re-run "
+                          f"`python -m data.prepare ... --output {folder} --overwrite`") from None
+
+
+def build_loader(job: JobConfig, dp_rank: int, dp: int) -> BatchLoader:
+    """Data rank `dp_rank`'s loader, after the tokenizer and vocabulary checks."""
+    d = job.data
+    try:  # first: the default corpus is tokenized with it
+        vocab = load_tokenizer(d.tokenizer).vocab_size
+    except Exception as e:  # tokenizers' own errors for a JSON file that is not a tokenizer
+        what = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(f"data.tokenizer={d.tokenizer!r} cannot be loaded ({what}); give a "
+                          "Hugging Face tokenizer.json or data.tokenizer=byte") from None
+    if vocab > job.model.vocab_size:
+        raise ConfigError(f"data.tokenizer has {vocab} tokens but model.vocab_size="
+                          f"{job.model.vocab_size}; raise model.vocab_size to >= {vocab}")
+    dataset = open_dataset(job)
+    if dataset.vocab_size > job.model.vocab_size:
+        raise ConfigError(f"data.dataset was prepared with {dataset.vocab_size} token ids but "
+                          f"model.vocab_size={job.model.vocab_size}; raise model.vocab_size")
+    try:
+        return BatchLoader(dataset, d.global_batch, d.micro_batch, dp_rank, dp, d.seed,
+                           d.shuffle_block_tokens)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def newest_train_state(run_dir: Path) -> dict | None:
+    """train_state.json of the run directory's newest published checkpoint (None: none)."""
+    root = run_dir / "checkpoints"
+    steps = sorted((d for d in root.iterdir() if STEP_DIR.match(d.name)), reverse=True) \
+        if root.is_dir() else []
+    for d in steps:
+        try:
+            return json.loads((d / "train_state.json").read_text())
+        except (OSError, ValueError):
+            continue  # a damaged checkpoint: the trainer names it and takes an older one
+    return None
+
+
+def check_same_model(job: JobConfig) -> None:
+    """A run directory holding checkpoints of another model or optimizer is refused."""
+    if not (job.checkpoint.enabled and job.checkpoint.resume):
+        return
+    state = newest_train_state(job.run_dir)
+    if state is None:
+        return
+    run_dir = job.run_dir
+    saved = state.get("model_config", {})
+    diff = sorted(k for k, v in asdict(job.model).items() if saved.get(k) != v)
+    if diff:
+        raise ConfigError(f"run.dir={str(run_dir)!r} holds checkpoints of a different model "
+                          f"(model.{diff[0]} differs); use another run.dir or the same model")
+    optim = state.get("optim_name", "adamw")  # checkpoints before optim=muon: adamw
+    if optim != job.optim.name:
+        raise ConfigError(f"run.dir={str(run_dir)!r} holds checkpoints of optim={optim}, this "
+                          f"run has optim={job.optim.name}; use another run.dir (or run.name) "
+                          f"or optim={optim}")
+
+
+def preflight(job: JobConfig, world_size: int) -> None:
+    """Every input check that needs files; raises ConfigError (one line)."""
+    from parallel.dims import ParallelDims
+
+    check_same_model(job)
+    build_loader(job, 0, ParallelDims.from_config(job.parallel, world_size).dp)
