@@ -228,7 +228,6 @@ def _loss_terms(cfg: ModelConfig, sh: Shard, blocks: int) -> list[Term]:
 class StageMemory:
     kept: int  # bytes kept for backward when the stage's forward ends
     working: int  # the backward's extra peak (estimate)
-    by_term: dict[str, int]  # kept bytes by term name (summed over layers)
 
 
 def stage_memory(cfg: ModelConfig, sh: Shard, layers: list[int], ac: str = "none",
@@ -236,18 +235,11 @@ def stage_memory(cfg: ModelConfig, sh: Shard, layers: list[int], ac: str = "none
     """Activation bytes of one micro-batch on one rank running decoder layers `layers` (the
     first stage also embeds; the last adds the output mix, loss and MTP)."""
     s, a, d = sh.seq, sh.act, cfg.hidden_size
-    by: dict[str, int] = {}
     kept = 0
 
-    def add(terms: list[Term], mode: str) -> int:
+    def add(terms: list[Term], mode: str) -> None:
         nonlocal kept
-        n = _kept(terms, mode)
-        kept += n
-        for t in terms:
-            if mode == "none" and t.plain or mode == "selective" and t.selective \
-                    or t.name in ("output", "attnres.blocks"):
-                by[t.name] = by.get(t.name, 0) + t.bytes
-        return n
+        kept += _kept(terms, mode)
 
     block = cfg.attn_res_block_size
     if first:
@@ -273,7 +265,7 @@ def stage_memory(cfg: ModelConfig, sh: Shard, layers: list[int], ac: str = "none
     loss_chunk = 2 * min(cfg.loss_chunk_tokens, sh.tokens) * cfg.vocab_size // sh.tp * F32
     working = ((largest if ac != "none" else 0) + fla_states + (blocks + 1) * s * d * a
                + (loss_chunk if last else 0))
-    return StageMemory(kept, working, by)
+    return StageMemory(kept, working)
 
 
 def micro_batches_in_flight(schedule: str | None, pp: int, pp_rank: int, n_micro: int,
