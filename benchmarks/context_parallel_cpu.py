@@ -17,7 +17,6 @@ import json
 import os
 import socket
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -34,6 +33,8 @@ def _bounds(seq: int, docs: int) -> torch.Tensor:
 
 
 def _run(rank: int, world: int, port: int, args, out) -> None:
+    from kda_cpu import best_ms  # (benchmarks/ is this script's sys.path[0])
+
     from model.build import build_model
     from model.packing import shard_window
 
@@ -64,14 +65,9 @@ def _run(rank: int, world: int, port: int, args, out) -> None:
         if world > 1:
             dist.barrier()
 
-    step()  # warm-up
-    times = []
-    for _ in range(args.repeats):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
+    best = best_ms(step, args.repeats) / 1e3  # after one warm-up step
     if rank == 0:
-        out.put(min(times))
+        out.put(best)
     if world > 1:
         dist.destroy_process_group()
 
