@@ -1,8 +1,9 @@
 """Activation memory per rank and micro-batch: an analytic model of what each op keeps for backward.
 
 The dry run (`launch/dryrun.py`) reports it at any size without running anything; it is checked
-against a fake-tensor trace of the same step (`tests/helpers/memory_trace.py`,
-`tests/unit/test_activation_memory.py`: within 10% at up to 64K tokens, one rank).
+against fake-tensor traces of the same step (`tests/helpers/memory_trace.py`,
+`tests/unit/test_activation_memory.py`: within 1% at up to 64K tokens, on one rank and under
+tp 2, cp 2 and tp 2 x cp 2).
 
 Every tensor is counted once, at the op that produces it, if a backward keeps it. What the GPU
 kernels keep is what their custom ops' `setup_context` saves: fla's `chunk_kda` its inputs (q,
