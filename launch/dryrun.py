@@ -74,9 +74,10 @@ def rank_activations(job, dims, pp_rank: int, stages: list[int], layers: list[in
     checkpointing mode, the micro-batches in flight under the pipeline schedule, and the
     total under the job's mode (in flight x kept + the backward's working peak)."""
     from parallel.activation_memory import Shard, micro_batches_in_flight, stage_memory
+    from parallel.fsdp import DTYPES
 
     d = job.data
-    act = {"bf16": 2, "fp32": 4, "fp64": 8}[job.cluster.param_dtype]
+    act = DTYPES[job.cluster.param_dtype].itemsize
     shard = Shard(tokens=d.micro_batch * d.seq_len // dims.cp, batch=d.micro_batch,
                   docs=d.micro_batch * docs_per_row, tp=dims.tp, cp=dims.cp, ep=dims.ep,
                   replicas=job.parallel.ep_replicas, act=act)
@@ -97,6 +98,7 @@ def rank_activations(job, dims, pp_rank: int, stages: list[int], layers: list[in
 
 
 def describe_rank(job, dims, meshes, pp_rank: int, docs_per_row: int = 1) -> dict:
+    from parallel.fsdp import DTYPES
     from parallel.parallelize import shard_on_meta
 
     out, _ = shard_on_meta(job, dims, meshes, pp_rank, log=lambda m: None)
@@ -116,7 +118,7 @@ def describe_rank(job, dims, meshes, pp_rank: int, docs_per_row: int = 1) -> dic
         else:
             local_dense += n
             gathered_dense += _tp_local_numel(p)
-    compute_bytes = {"bf16": 2, "fp32": 4, "fp64": 8}[job.cluster.param_dtype]
+    compute_bytes = DTYPES[job.cluster.param_dtype].itemsize
     # under PP every layer of the rank stays gathered between micro-batches; experts gathered
     # by FSDP only when ep < dp_shard x tp (else they are never sharded beyond ep)
     gathered = (gathered_dense + (gathered_expert if dims.edp > 1 else 0)) * compute_bytes \

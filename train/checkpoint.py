@@ -122,6 +122,13 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
+def published_steps(root: Path) -> list[int]:
+    """Steps of the `step-<8 digits>` directories under `root`, ascending."""
+    if not root.is_dir():
+        return []
+    return sorted(int(m.group(1)) for d in root.iterdir() if (m := STEP_DIR.match(d.name)))
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -139,14 +146,10 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ discovery
     def complete_steps(self) -> list[int]:
-        if not self.root.is_dir():
-            return []
-        steps = []
-        for d in self.root.iterdir():
-            m = STEP_DIR.match(d.name)
-            if m and (d / ".metadata").is_file() and (d / "train_state.json").is_file():
-                steps.append(int(m.group(1)))
-        return sorted(steps)
+        """Published steps holding .metadata and train_state.json (not verified)."""
+        return [s for s in published_steps(self.root)
+                if (self.root / f"step-{s:08d}" / ".metadata").is_file()
+                and (self.root / f"step-{s:08d}" / "train_state.json").is_file()]
 
     def latest(self) -> Path | None:
         steps = self.complete_steps()
@@ -179,10 +182,7 @@ class Checkpointer:
     def latest_intact(self, log=print) -> Path | None:
         """The newest published checkpoint whose files all match their checksums; each one
         skipped is named with its first problem (collective: every rank calls)."""
-        steps = sorted((int(m.group(1)) for d in (self.root.iterdir() if self.root.is_dir()
-                                                   else []) if (m := STEP_DIR.match(d.name))),
-                       reverse=True)
-        for step in steps:
+        for step in reversed(published_steps(self.root)):
             path = self.root / f"step-{step:08d}"
             problem = self.problem(path)
             if problem is None:

@@ -18,7 +18,7 @@ from data.dataset import PackedTokenDataset
 from data.loader import BatchLoader
 from data.tokenizer import load_tokenizer
 from model.config import ConfigError
-from train.checkpoint import STEP_DIR
+from train.checkpoint import published_steps
 from train.config import JobConfig
 
 
@@ -61,11 +61,9 @@ def build_loader(job: JobConfig, dp_rank: int, dp: int) -> BatchLoader:
 def newest_train_state(run_dir: Path) -> dict | None:
     """train_state.json of the run directory's newest published checkpoint (None: none)."""
     root = run_dir / "checkpoints"
-    steps = sorted((d for d in root.iterdir() if STEP_DIR.match(d.name)), reverse=True) \
-        if root.is_dir() else []
-    for d in steps:
+    for step in reversed(published_steps(root)):
         try:
-            return json.loads((d / "train_state.json").read_text())
+            return json.loads((root / f"step-{step:08d}" / "train_state.json").read_text())
         except (OSError, ValueError):
             continue  # a damaged checkpoint: the trainer names it and takes an older one
     return None

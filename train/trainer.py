@@ -81,14 +81,13 @@ def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
         track_logits(model, env.device)
     optimizer = build_optimizer(model, job.optim)
     scheduler = build_scheduler(optimizer, job.train.steps, job.optim)
-    state: dict[str, Any] = {"step": 0, "tokens_seen": 0}
+    state: dict[str, Any] = {"step": 0, "tokens_seen": 0, "skipped_steps": 0}
     ckpt.clean_partial()
     if resume_from is not None:
         state = _resume(ckpt, resume_from, model, optimizer, scheduler, loader)
         if env.is_main and loader.resume_note:
             print(loader.resume_note, flush=True)
 
-    state.setdefault("skipped_steps", 0)  # checkpoints from before the counter
     injections = Injections(job.debug, env.rank, env.world_size)
     skipped = SkippedSteps(job.train.max_skipped_in_a_row, env.is_main)
     spikes = SpikeLog(job.train.spike_factor, env.is_main)
@@ -147,7 +146,7 @@ def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
                 **memory_stats(env.device),
                 **(syncs.metrics() if syncs else {}),
                 "skipped_steps": state["skipped_steps"],
-                **({"skipped_ranks": bad_ranks} if result.skipped else {}),
+                **({"skipped_ranks": list(bad_ranks)} if result.skipped else {}),
                 **({"loss_spike": 1} if spikes.last == state["step"] else {})}
             if job.train.log_sample_ids:
                 scalars["sample_ids"] = _global_sample_ids(batches, env, meshes.dp_group)
@@ -183,11 +182,11 @@ class SkippedSteps:
     def __init__(self, limit: int, is_main: bool) -> None:
         self.limit, self.is_main, self.in_a_row = limit, is_main, 0
 
-    def record(self, state: dict, step: int, ranks: list[int]) -> None:
+    def record(self, state: dict, step: int, ranks: tuple[int, ...]) -> None:
         state["skipped_steps"] += 1
         self.in_a_row += 1
         if self.is_main:
-            who = f"rank(s) {ranks}" if ranks else "the reduced gradient norm"
+            who = f"rank(s) {list(ranks)}" if ranks else "the reduced gradient norm"
             print(f"step {step}: non-finite loss or gradient on {who}: step skipped (no update, "
                   f"router statistics dropped, LR held; {state['skipped_steps']} skipped so far)",
                   flush=True)
@@ -196,7 +195,7 @@ class SkippedSteps:
         if self.in_a_row >= self.limit:
             raise TrainingStopped(
                 f"{self.in_a_row} non-finite steps in a row (train.max_skipped_in_a_row="
-                f"{self.limit}) up to step {step}; the last checkpoint is from before them: "
+                f"{self.limit}) up to step {step}; no checkpoint holds an update from them: "
                 "lower optim.lr or inspect the data, then resume")
 
 
@@ -248,7 +247,7 @@ class StepResult(NamedTuple):
     flops: float  # model FLOPs of the global batch
     mtp_loss: float | None  # the MTP head's token-mean loss (None without MTP)
     # ranks whose loss was not finite, else those whose (reduced) gradients were not
-    nonfinite_ranks: list[int] = []
+    nonfinite_ranks: tuple[int, ...] = ()
 
     @property
     def skipped(self) -> bool:
@@ -320,7 +319,8 @@ def train_step(pm: ParallelModel, optimizer: torch.optim.Optimizer, batches: lis
     loss_bad, grad_bad = ([r for r in range(env.world_size) if flat[i * env.world_size + r] > 0]
                           for i in (0, 1))
     result = StepResult(main / max(global_tokens, 1), global_tokens, norm, global_flops,
-                        mtp_sum / max(global_mtp, 1) if mtp else None, loss_bad or grad_bad)
+                        mtp_sum / max(global_mtp, 1) if mtp else None,
+                        tuple(loss_bad or grad_bad))
     if not result.skipped:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -474,7 +474,8 @@ def _resume(ckpt: Checkpointer, path: Path, model, optimizer, scheduler, loader
     if int(path.name.split("-")[1]) != ts["step"] or scheduler.last_epoch != ts["step"]:
         raise RuntimeError(f"checkpoint {path} is inconsistent (train_state step {ts['step']}, "
                            f"scheduler step {scheduler.last_epoch}); refusing to resume")
-    return {"step": ts["step"], "tokens_seen": ts["tokens_seen"]}
+    return {"step": ts["step"], "tokens_seen": ts["tokens_seen"],
+            "skipped_steps": ts.get("skipped_steps", 0)}  # 0: checkpoints from before it
 
 
 def _load_loader_state(loader: BatchLoader, train_state: dict) -> None:

@@ -5,6 +5,8 @@ crash Quantile Balancing; too many in a row stop the run with one line."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -58,3 +60,7 @@ def test_too_many_in_a_row_stop_with_one_line(tmp_path):
     assert len(err) == 1 and "train.max_skipped_in_a_row=2" in err[0], r.stderr[-2000:]
     ckpts = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
     assert ckpts[-1] == "step-00000002"  # nothing written after the run gave up
+    # the count a resume continues from
+    state = json.loads((tmp_path / "run" / "checkpoints" / ckpts[-1] / "train_state.json")
+                       .read_text())
+    assert state["skipped_steps"] == 1
