@@ -74,6 +74,7 @@ def test_gradcheck():
 
 
 def test_op_gradients_equal_the_reference_in_float32():
+    torch.manual_seed(0)
     src = torch.randn(4, 2, 6, 32) * torch.tensor([1.0, 10, 0.1, 3])[:, None, None, None]
     w, q = torch.rand(32) + 0.5, torch.randn(32) * 0.3
     leaves = [src, w, q]
@@ -83,8 +84,10 @@ def test_op_gradients_equal_the_reference_in_float32():
     ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
     s, rw, rq = ref_leaves
     ref = torch.autograd.grad(attnres_mix_reference(s, rw * rq), ref_leaves, g.double())
+    # w's and q's gradients sum 48 terms of up to ~30 that cancel: float32's error is relative
+    # to the gradient's scale, not to each element (an unseeded run once gave 5.6e-5 elementwise)
     for a, b in zip(got, ref):
-        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
 
 
 def _block_counts(cfg, T=4):
