@@ -3,7 +3,8 @@
 Every machine that has Python has this text, so demos and tests train on real data with no
 download. `default_corpus_dir()` prepares it on first use into a cache folder, under an exclusive
 `fcntl.flock` so that several ranks starting together prepare it once (the others wait, then reuse
-it); later calls return at once.
+it); later calls return at once. `VAL_FRACTION` of its files (whole, evenly spaced) are held out
+as the validation split (`<folder>/val`).
 
 Deliberately not here: downloads, any corpus other than the stdlib, Windows (fcntl).
 """
@@ -22,6 +23,7 @@ from data.tokenizer import load_tokenizer
 
 DEFAULT_MAX_BYTES = 20_000_000  # ~20 MB of source text; ~20M tokens with the byte tokenizer
 SKIP_DIRS = ("site-packages", "dist-packages", "__pycache__")
+VAL_FRACTION = 0.02
 
 
 def stdlib_files(max_bytes: int = DEFAULT_MAX_BYTES) -> list[Path]:
@@ -42,8 +44,9 @@ def stdlib_files(max_bytes: int = DEFAULT_MAX_BYTES) -> list[Path]:
 
 
 def _is_complete(folder: Path) -> bool:
+    """Prepared, with its validation split (an older cache without one is prepared again)."""
     m = read_json(folder / MANIFEST)
-    return bool(m and m.get("complete"))
+    return bool(m and m.get("complete") and "val" in m)
 
 
 def default_corpus_dir(tokenizer_spec: str = "byte", cache_dir: str | Path | None = None,
@@ -69,7 +72,7 @@ def default_corpus_dir(tokenizer_spec: str = "byte", cache_dir: str | Path | Non
         print(f"k3train: preparing the default corpus ({len(files)} stdlib files) into {out}",
               file=sys.stderr)
         try:  # resumes an interrupted preparation with the same inputs
-            prepare(files, out, tok, workers=workers)
+            prepare(files, out, tok, workers=workers, val_fraction=VAL_FRACTION)
         except PrepareError:  # leftovers of a different preparation (e.g. another stdlib)
-            prepare(files, out, tok, workers=workers, overwrite=True)
+            prepare(files, out, tok, workers=workers, overwrite=True, val_fraction=VAL_FRACTION)
     return out

@@ -66,16 +66,18 @@ class ShardWriter:
     """Appends documents to shards; `commit` makes everything so far survive a crash."""
 
     def __init__(self, out: Path, dtype: np.dtype, shard_tokens: int, fingerprint: str,
-                 journal: dict | None = None) -> None:
+                 journal: dict | None = None, own_journal: bool = True) -> None:
+        """`own_journal=False`: a second writer (the validation split) whose state the first
+        writer's journal carries (`commit(..., extra=)`), so both commit in one rename."""
         self.out, self.dtype, self.shard_tokens = out, np.dtype(dtype), shard_tokens
-        self.fingerprint = fingerprint
+        self.fingerprint, self.own_journal = fingerprint, own_journal
         j = journal or {"next_file": 0, "shards": [], "open": {"num_tokens": 0, "num_docs": 0}}
         self.next_file: int = j["next_file"]
         self.shards: list[dict] = [dict(s) for s in j["shards"]]  # closed: num_tokens, num_docs
         self.open_tokens: int = j["open"]["num_tokens"]
         self.open_docs: int = j["open"]["num_docs"]
         self._pending: list[int] = list(range(len(self.shards)))  # closed, maybe not yet renamed
-        if journal is None:  # claim the folder first, so even an early crash can be resumed
+        if journal is None and own_journal:  # claim the folder first, so an early crash resumes
             write_json_atomic(self.out / JOURNAL, self.journal())
         self._finalize_pending()
         self._discard_uncommitted()
@@ -145,13 +147,25 @@ class ShardWriter:
         self.open_tokens = self.open_docs = 0
         self._open_temp_files()
 
-    def commit(self, next_file: int) -> None:
-        """Record that input files [0, next_file) are fully written; then rename closed shards."""
+    def commit(self, next_file: int, extra: dict | None = None) -> None:
+        """Record that input files [0, next_file) are fully written (with `extra` in the
+        journal); then rename closed shards. Without an own journal: flush only, and the
+        owner's commit is followed by `finalize`."""
         self._tok_f.flush()
         self._doc_f.flush()
         self.next_file = next_file
-        write_json_atomic(self.out / JOURNAL, self.journal())
+        if self.own_journal:
+            write_json_atomic(self.out / JOURNAL, {**self.journal(), **(extra or {})})
+            self._finalize_pending()
+
+    def finalize(self) -> None:
+        """After the owning writer's journal commit: rename this writer's closed shards."""
         self._finalize_pending()
+
+    @property
+    def num_docs(self) -> int:
+        """Documents written so far (closed shards and the open one)."""
+        return sum(s["num_docs"] for s in self.shards) + self.open_docs
 
     def journal(self) -> dict:
         return {"version": FORMAT_VERSION, "fingerprint": self.fingerprint,
@@ -175,11 +189,17 @@ class ShardWriter:
                               "re-run with --overwrite")
         self._pending = []
 
-    def finish(self, next_file: int) -> list[dict]:
-        """Close the last shard, commit, drop empty temp files; returns the closed shards."""
+    def seal(self) -> None:
+        """Close the open shard (a writer without its own journal, before the owner's last
+        commit records it)."""
         if self.open_tokens > 0:
             self._close_shard()
-        self.commit(next_file)
+
+    def finish(self, next_file: int, extra: dict | None = None) -> list[dict]:
+        """Close the last shard, commit, drop empty temp files; returns the closed shards."""
+        self.seal()
+        self.commit(next_file, extra)
+        self.finalize()
         self.abandon()
         self._tok_tmp(self.open_index).unlink(missing_ok=True)
         self._doc_tmp(self.open_index).unlink(missing_ok=True)

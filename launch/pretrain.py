@@ -2,7 +2,8 @@
 
 Composes `configs/` with Hydra (compose API: no per-rank output folders or log files), validates
 the whole job against the world size before any process group starts, then trains. Running the
-same command again resumes from the latest complete checkpoint in the run directory. A bad config
+same command again resumes from the latest intact checkpoint in the run directory, and so does a
+worker group that torchrun restarts (`--max-restarts=K`) after a rank dies. A bad config
 prints one line naming the field and the fix, exits with code 2 and writes nothing.
 Extra flag: `--print-config` prints the resolved config and exits.
 """
@@ -78,9 +79,11 @@ def main(argv: list[str]) -> int:
             print(OmegaConf.to_yaml(OmegaConf.structured(job)))
         return 0
 
+    from train import crash_faults
     from train.distributed import init_distributed, shutdown
     from train.trainer import TrainingStopped, train
 
+    crash_faults.record("start")  # test-only (K3TRAIN_FAULT_LOG): when this worker began
     env = init_distributed(job.cluster.device, job.cluster.backend, job.cluster.timeout_s)
     try:
         train(job, env)

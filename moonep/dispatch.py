@@ -30,6 +30,8 @@ Deliberately not: dedup of a token sent to several experts on one rank, capacity
 overlap of communication with compute inside the dispatcher (the host read is the only wait;
 see `model.moe` for what the caller overlaps), fp8 token payloads with scales (rows are sent as
 bytes, so an fp8 x works, but scales are the caller's business). `moonep` never imports `model/`.
+Time inside the collectives (and the host read that ends the counts' wait) is reported to any
+watching `moonep.timing` clock.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from moonep import timing
 from moonep.device_planner import plan_replicas_device
 from moonep.planner import ReplicaPlan, assign_pairs
 from moonep.replicas import AllToAllRows, ReplicaRoutes, fetch_replicas, route_sizes
@@ -165,6 +168,7 @@ class MoonEPDispatcher:
         R, rank = self.num_ranks, self.rank
         flat = topk_idx.reshape(-1).to(torch.int64)  # [S*k]
         dev = flat.device
+        waited = timing.collective_start()  # the wait for other ranks ends at the host read
         counts = self._gather_counts(flat)  # [R, E]
         plan, ok = self._plan(counts)
         asg = assign_pairs(plan, counts, rank, flat)
@@ -188,6 +192,7 @@ class MoonEPDispatcher:
             prep, weight_sizes = route_sizes(plan, rank)
             parts.append(weight_sizes)
         host = torch.cat([*parts, ok.view(1).long()]).tolist()  # the one device-to-host read
+        timing.collective_end(waited)
         if not host[-1]:
             raise RuntimeError("MoonEP planner bug: a plan guarantee (conservation, exact loads, "
                                "<= E/R slots) or the receive layout failed on the device")
@@ -224,8 +229,10 @@ class MoonEPDispatcher:
         x_recv = AllToAllRows.apply(x_send, route.recv_splits, route.send_splits,
                                     self.group, pending)  # [n_recv, l]
         during_out = during() if during is not None else None
+        waited = timing.collective_start()
         for work in pending or ():
             work.wait()
+        timing.collective_end(waited)
         x_grouped = x.new_zeros(route.num_rows, x.shape[-1]).index_put((route.recv_rows,),
                                                                        x_recv)
         handle = MoonEPHandle(route, _combine_dtype(topk_weight), during_out)

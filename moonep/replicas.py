@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from moonep import timing
+
 __all__ = ["AllToAllRows", "ReplicaRoutes", "RoutePrep", "all_to_all_rows", "fetch_replicas",
            "route_sizes"]
 
@@ -49,8 +51,10 @@ def all_to_all_rows(t: Tensor, out_splits: list[int], in_splits: list[int],
         row_numel *= n
     send = t.contiguous().reshape(t.shape[0], row_numel).view(torch.uint8)  # [n, row bytes]
     recv = send.new_empty(sum(out_splits), send.shape[1])
+    waited = timing.collective_start()
     work = dist.all_to_all_single(recv, send, out_splits, in_splits, group=group,
                                   async_op=pending is not None)
+    timing.collective_end(waited)
     if pending is not None:
         pending.append(work)
     return recv.view(t.dtype).reshape(sum(out_splits), *row_shape)

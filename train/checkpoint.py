@@ -5,8 +5,10 @@ and QB statistics), optimizer} plus `train_state.json` (step, tokens seen, data-
 scheduler, RNG states, model config). Each save is written to `.tmp-step-<n>/` and published by an
 atomic rename once every rank has finished, so a crash (even kill -9) mid-write leaves the
 previous checkpoint loadable and the partial one ignored. Loading goes through DCP's resharding,
-so any world size or layout can load any other. On CUDA saves are asynchronous (their own gloo
-group, cpu-testing.md trap 2) and published at the next save or at the end.
+so any world size or layout can load any other. Asynchronous saves (`checkpoint.async_save`: on
+CUDA by default, on CPU when set) stage a copy of the state, write it from a background thread on
+their own gloo group (cpu-testing.md trap 2) and are published at the first step end at which
+every rank has finished writing (`poll`), at the latest at the next save or the end.
 
 Integrity: before publishing, `checksums.json` records the size and SHA-256 of every file of
 the checkpoint (each rank hashes its share of the files). Resuming takes the newest checkpoint
@@ -27,7 +29,6 @@ import json
 import os
 import re
 import shutil
-import signal
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+
+from train import crash_faults
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 
@@ -65,13 +68,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
     if "cuda" in state and torch.cuda.is_available():
         raw = base64.b64decode(state["cuda"])
         torch.cuda.set_rng_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
-
-
-def _fault_point(name: str, step: int) -> None:
-    """Fault injection for the crash tests: K3TRAIN_FAULT=<name>:<step> kills this process
-    (SIGKILL, as a node failure would) when it reaches that point of that step's save."""
-    if os.environ.get("K3TRAIN_FAULT") == f"{name}:{step}":
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 CHECKSUMS = "checksums.json"
@@ -97,17 +93,30 @@ def _file_problem(path: Path, size: int, digest: str) -> str | None:
 
 
 class _FullDisk(FileSystemWriter):
-    """Fault injection (K3TRAIN_FAULT=enospc:<step>): the last rank's shard write fails as
-    on a full disk."""
+    """Fault injection (K3TRAIN_FAULT=enospc:<step>, `train.crash_faults`): this rank's shard
+    write fails as on a full disk."""
 
     def write_data(self, plan, planner):
         raise OSError(errno.ENOSPC, "No space left on device (injected)", str(self.path))
 
 
+class _KilledWriter(FileSystemWriter):
+    """Fault injection (K3TRAIN_FAULT=async_write:<step>): SIGKILL inside the (asynchronous)
+    shard write."""
+
+    def __init__(self, path: str, step: int) -> None:
+        super().__init__(path)
+        self.step = step
+
+    def write_data(self, plan, planner):
+        crash_faults.kill("async_write", self.step)
+
+
 def _writer(tmp: Path, step: int):
-    if (os.environ.get("K3TRAIN_FAULT") == f"enospc:{step}"
-            and dist.get_rank() == dist.get_world_size() - 1):
+    if crash_faults.armed("enospc", step):
         return _FullDisk(str(tmp))
+    if crash_faults.armed("async_write", step):
+        return _KilledWriter(str(tmp), step)
     return None
 
 
@@ -143,6 +152,8 @@ class Checkpointer:
         self.async_save = async_save and dist.is_initialized()
         self._pending: tuple[Any, Path, Path] | None = None
         self._async_group = dist.new_group(backend="gloo") if self.async_save else None
+        # polls whether every rank's background write is done (a CPU flag, no device sync)
+        self._poll_group = dist.new_group(backend="gloo") if self.async_save else None
 
     # ------------------------------------------------------------------ discovery
     def complete_steps(self) -> list[int]:
@@ -218,12 +229,22 @@ class Checkpointer:
                 self._pending = (future, tmp, final)
             else:
                 dcp.save(state, checkpoint_id=str(tmp), storage_writer=_writer(tmp, step))
-                _fault_point("before_publish", step)
+                crash_faults.kill_point("before_publish", step)
                 self._publish(tmp, final)
         except (OSError, CheckpointException) as e:
             self._abandon(tmp, e)
             return False
         return True
+
+    def poll(self) -> None:
+        """Publish a pending asynchronous save as soon as every rank's write is done (call
+        once per step on every rank), so a crash loses at most the save still in flight."""
+        if self._pending is None:
+            return
+        done = torch.tensor([int(self._pending[0].done())])
+        dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self._poll_group)
+        if done.item():
+            self.wait()
 
     def wait(self) -> None:
         if self._pending is not None:

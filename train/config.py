@@ -71,6 +71,8 @@ class DataConfig:
     micro_batch: int = 4  # sequences per forward/backward on one rank
     seed: int = 1234
     stdlib_max_bytes: int = 20_000_000
+    # warn at start when the run reads the training corpus more often than this (epochs)
+    max_epochs: float = 4.0
     # shuffle fixed blocks of this many tokens (a multiple of every stage's seq_len) instead of
     # single windows, so a run can resume at another seq_len (data.loader); None: windows
     shuffle_block_tokens: int | None = None
@@ -112,6 +114,10 @@ class TrainConfig:
     # many in a row stop the run (its last checkpoint is a good one)
     max_skipped_in_a_row: int = 5
     spike_factor: float = 3.0  # log a loss above this x the running median (0: off)
+    # a rank whose compute time (train.stragglers) exceeds this x its peers' median for
+    # straggler_steps steps in a row is named in a warning (0: off)
+    straggler_factor: float = 1.5
+    straggler_steps: int = 5
 
 
 @dataclass
@@ -119,8 +125,18 @@ class CheckpointConfig:
     enabled: bool = True
     interval: int = 50
     keep: int = 3
-    async_save: bool = True  # only on CUDA; CPU saves are synchronous
+    # write in a background thread while training goes on; None: on CUDA only
+    async_save: bool | None = None
     resume: bool = True  # resume from the latest complete checkpoint in the run directory
+
+
+@dataclass
+class EvalConfig:
+    """Held-out validation (train.evaluate): the dataset's `val` split (data.prepare
+    --val-fraction)."""
+
+    every: int = 0  # steps between validations (and at the run's last step); 0: off
+    batches: int = 4  # global batches of the validation split per evaluation
 
 
 @dataclass
@@ -137,6 +153,8 @@ class DebugConfig:
     inject_nonfinite_steps: list[int] = field(default_factory=list)  # NaN loss on the last rank
     # [{step: 3, rank: 1, where: loss | activation | grad}, ...]
     inject_nonfinite: list[Any] = field(default_factory=list)
+    slow_rank: int | None = None  # this rank sleeps slow_rank_s in each micro-batch's forward
+    slow_rank_s: float = 0.0
 
 
 @dataclass
@@ -149,6 +167,7 @@ class JobConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
@@ -197,6 +216,7 @@ def validate_job(job: JobConfig, world_size: int, check_device: bool = True) -> 
           f"parallel.activation_checkpoint={job.parallel.activation_checkpoint!r}: choose one "
           f"of {list(AC_MODES)}")
     _need(d.seq_len > 0, f"data.seq_len={d.seq_len} must be positive")
+    _need(d.max_epochs > 0, f"data.max_epochs={d.max_epochs} must be > 0")
     _need(d.micro_batch > 0 and d.global_batch > 0, "data.global_batch and data.micro_batch > 0")
     _need(d.global_batch % (dp * d.micro_batch) == 0,
           f"data.global_batch={d.global_batch} must be a multiple of data-parallel size {dp} x "
@@ -238,6 +258,16 @@ def validate_job(job: JobConfig, world_size: int, check_device: bool = True) -> 
           f"train.max_skipped_in_a_row={t.max_skipped_in_a_row} must be > 0")
     _need(t.spike_factor == 0 or t.spike_factor > 1,
           f"train.spike_factor={t.spike_factor} must be > 1, or 0 to turn spike logging off")
+    _need(t.straggler_factor == 0 or t.straggler_factor > 1,
+          f"train.straggler_factor={t.straggler_factor} must be > 1, or 0 to turn it off")
+    _need(t.straggler_steps > 0, f"train.straggler_steps={t.straggler_steps} must be > 0")
+    e = job.eval
+    _need(e.every >= 0, f"eval.every={e.every} must be >= 0 (0: no validation)")
+    _need(e.batches > 0, f"eval.batches={e.batches} must be > 0")
+    g = job.debug
+    _need(g.slow_rank is None or 0 <= g.slow_rank < world_size,
+          f"debug.slow_rank={g.slow_rank} must be a rank in 0..{world_size - 1}, or null")
+    _need(g.slow_rank_s >= 0, f"debug.slow_rank_s={g.slow_rank_s} must be >= 0")
     from train.faults import check_injections
 
     _need(*check_injections(job.debug, world_size))

@@ -32,6 +32,19 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def _attempt_store(world: int, timeout: datetime.timedelta) -> dist.Store | None:
+    """Under torchrun's agent store, a store prefixed with the restart count: the agent keeps
+    one store (and port) across restarts, and gloo's mesh set-up would otherwise read the
+    dead workers' addresses of the previous attempt ("Connection refused" on every restart).
+    None elsewhere (init_process_group's own env:// store)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"k3train/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}",
+                            store)
+
+
 def init_distributed(device_type: str, backend: str, timeout_s: int) -> DistEnv:
     rank = int(os.environ.get("RANK", "0"))
     world = world_size_from_env()
@@ -45,9 +58,10 @@ def init_distributed(device_type: str, backend: str, timeout_s: int) -> DistEnv:
         if "MASTER_ADDR" not in os.environ:  # a plain `python launch/pretrain.py`: world of one
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-        dist.init_process_group(backend=backend, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout_s),
-                                device_id=device if device_type == "cuda" else None)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timeout,
+                                device_id=device if device_type == "cuda" else None,
+                                store=_attempt_store(world, timeout))
     return DistEnv(rank, world, local_rank, device)
 
 

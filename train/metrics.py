@@ -44,6 +44,7 @@ from train.model_stats import attnres_source_labels
 
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 CONSOLE_FIELDS = (("loss", "loss {:.4f}"), ("mtp_loss", "mtp {:.4f}"),
+                  ("val_loss", "val {:.4f}"),
                   ("lr", "lr {:.2e}"), ("grad_norm", "gnorm {:.3f}"),
                   ("tokens_per_sec", "tok/s {:,.0f}"), ("mfu", "mfu {:.1%}"),
                   ("max_mem_gib", "mem {:.2f} GiB"))

@@ -2,9 +2,11 @@
 layout over the data ranks and the run directory's checkpoints.
 
 `launch/pretrain.py` runs `preflight` after `validate_job` (the config alone), so a bad input
-fails in one line (`ConfigError`: names the field or file and the fix), exit code 2, nothing
-written, whether the job has one rank or thousands; the trainer builds the same loader again
-for its own data rank (`build_loader`).
+(a missing validation split when `eval.every` is set included) fails in one line
+(`ConfigError`: names the field or file and the fix), exit code 2, nothing written, whether
+the job has one rank or thousands; the trainer builds the same loaders again for its own data
+rank (`build_loader`, `build_val_loader`) and logs `describe_data`: the corpus and the epochs
+one step and the whole run read, with warnings.
 """
 
 from __future__ import annotations
@@ -22,11 +24,22 @@ from train.checkpoint import published_steps
 from train.config import JobConfig
 
 
-def open_dataset(job: JobConfig) -> PackedTokenDataset:
-    """The packed token windows of `data.dataset` at `data.seq_len`."""
+def dataset_folder(job: JobConfig) -> Path:
     d = job.data
-    folder = (default_corpus_dir(d.tokenizer, max_bytes=d.stdlib_max_bytes)
-              if d.dataset == "stdlib" else Path(d.dataset))
+    return (default_corpus_dir(d.tokenizer, max_bytes=d.stdlib_max_bytes)
+            if d.dataset == "stdlib" else Path(d.dataset))
+
+
+def open_dataset(job: JobConfig, split: str | None = None) -> PackedTokenDataset:
+    """The packed token windows of `data.dataset` (or its `split` subfolder) at `data.seq_len`."""
+    d = job.data
+    folder = dataset_folder(job)
+    if split is not None:
+        if not (folder / split / "manifest.json").is_file():
+            raise ConfigError(f"eval.every={job.eval.every} but data.dataset={str(folder)!r} "
+                              f"has no {split} split; prepare it with `python -m data.prepare "
+                              "... --val-fraction 0.01` or set eval.every=0")
+        folder = folder / split
     try:
         return PackedTokenDataset(folder, d.seq_len)
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -56,6 +69,50 @@ def build_loader(job: JobConfig, dp_rank: int, dp: int) -> BatchLoader:
                            d.shuffle_block_tokens)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def build_val_loader(job: JobConfig, dp_rank: int, dp: int) -> BatchLoader | None:
+    """Data rank `dp_rank`'s loader of the validation split (None without `eval.every`)."""
+    if not job.eval.every:
+        return None
+    d = job.data
+    dataset = open_dataset(job, "val")
+    try:
+        return BatchLoader(dataset, d.global_batch, d.micro_batch, dp_rank, dp, d.seed)
+    except ValueError as e:
+        raise ConfigError(f"the validation split: {e}") from None
+
+
+def describe_data(job: JobConfig, loader: BatchLoader, val: BatchLoader | None
+                  ) -> tuple[list[str], list[str]]:
+    """(lines, warnings) saying what the corpus holds and how often a step and the run read
+    it, so a preset batch far larger than a small corpus is seen before the first step."""
+    d, ds = job.data, loader.dataset
+    docs = len(ds.doc_starts)
+    windows = loader.num_samples
+    per_step = d.global_batch / windows  # epochs
+    run = per_step * job.train.steps
+    lines = [f"data: {dataset_folder(job)}: {docs} documents, {ds.total_tokens} tokens, "
+             f"{windows} windows of data.seq_len={d.seq_len}; a step reads "
+             f"data.global_batch={d.global_batch} windows ({per_step:.3g} epochs), the run "
+             f"(train.steps={job.train.steps}) {run:.3g} epochs"]
+    if val is not None:
+        vds = val.dataset
+        lines.append(f"validation: {len(vds.doc_starts)} documents, {vds.total_tokens} tokens, "
+                     f"{val.num_samples} windows; each evaluation reads eval.batches="
+                     f"{job.eval.batches} x {d.global_batch} windows every eval.every="
+                     f"{job.eval.every} steps")
+    warnings = []
+    if per_step > 1:
+        warnings.append(f"warning: one step reads the whole corpus {per_step:.3g} times "
+                        f"(data.global_batch={d.global_batch} windows of {d.seq_len} tokens, "
+                        f"{windows} in the corpus); lower data.global_batch or data.seq_len, "
+                        "or prepare more text")
+    if run > d.max_epochs:
+        warnings.append(f"warning: the run reads the corpus {run:.3g} times, more than "
+                        f"data.max_epochs={d.max_epochs:g}; prepare more text, lower "
+                        "train.steps, or raise data.max_epochs if that is intended")
+    return lines, warnings
 
 
 def newest_train_state(run_dir: Path) -> dict | None:
@@ -94,4 +151,6 @@ def preflight(job: JobConfig, world_size: int) -> None:
     from parallel.dims import ParallelDims
 
     check_same_model(job)
-    build_loader(job, 0, ParallelDims.from_config(job.parallel, world_size).dp)
+    dp = ParallelDims.from_config(job.parallel, world_size).dp
+    build_loader(job, 0, dp)
+    build_val_loader(job, 0, dp)

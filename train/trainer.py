@@ -39,9 +39,11 @@ from parallel.fsdp import DTYPES, set_gradient_sync
 from parallel.grads import clip_grad_norm
 from parallel.parallelize import ParallelModel, parallelize
 from parallel.tensor_parallel import allreduce_replicated_grads
+from train import crash_faults
 from train.checkpoint import Checkpointer
 from train.config import JobConfig
 from train.distributed import DistEnv
+from train.evaluate import Validator
 from train.faults import Injections, poison_grad, poison_loss, poisoned_activation
 from train.flops import peak_flops, step_flops
 from train.host_syncs import HostSyncCounter
@@ -49,9 +51,10 @@ from train.layout_images import attnres_weights, router_matrices
 from train.metrics import MetricsLogger, memory_stats
 from train.model_stats import moe_layer_indices
 from train.optim import build_optimizer, build_scheduler
-from train.preflight import build_loader, check_same_model
+from train.preflight import build_loader, build_val_loader, check_same_model, describe_data
 from train.profiling import StepProfiler, format_summary
 from train.qk_clip import qk_clip, qk_clip_metrics, reset_logits, track_logits
+from train.stragglers import ComputeClock, StragglerDetector, gather_seconds
 
 
 def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
@@ -60,12 +63,18 @@ def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
     meshes = dims.build_meshes(env.device.type)
     dp_rank = meshes.dp_rank
     run_dir = job.run_dir
+    async_save = job.checkpoint.async_save
     ckpt = Checkpointer(run_dir / "checkpoints", job.checkpoint.keep, env.rank,
-                        async_save=job.checkpoint.async_save and env.device.type == "cuda")
+                        async_save=env.device.type == "cuda" if async_save is None else async_save)
     resume_from = (ckpt.latest_intact(lambda m: print(m, flush=True))
                    if job.checkpoint.enabled and job.checkpoint.resume else None)
     check_same_model(job)  # (the launcher's preflight ran these checks before)
     loader = build_loader(job, dp_rank, dims.dp)
+    val_loader = build_val_loader(job, dp_rank, dims.dp)
+    if env.is_main:
+        lines, warnings = describe_data(job, loader, val_loader)
+        for line in lines + warnings:
+            print(line, flush=True)
     if resume_from is not None:  # a refused data state (seq_len, corpus) writes nothing
         _load_loader_state(loader, json.loads((resume_from / "train_state.json").read_text()))
     if env.is_main:
@@ -85,10 +94,20 @@ def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
     ckpt.clean_partial()
     if resume_from is not None:
         state = _resume(ckpt, resume_from, model, optimizer, scheduler, loader)
-        if env.is_main and loader.resume_note:
-            print(loader.resume_note, flush=True)
+        if env.is_main:
+            restart = crash_faults.attempt()
+            print(f"resumed from {resume_from.name}"
+                  + (f" (torchrun restart {restart})" if restart else ""), flush=True)
+            if loader.resume_note:
+                print(loader.resume_note, flush=True)
 
     injections = Injections(job.debug, env.rank, env.world_size)
+    validator = Validator(val_loader, job.eval.batches) if val_loader is not None else None
+    clock = ComputeClock(model, env.device,
+                         job.debug.slow_rank_s if job.debug.slow_rank == env.rank else 0.0)
+    stragglers = StragglerDetector(job.train.straggler_factor, job.train.straggler_steps,
+                                   env.is_main)
+    stage = meshes.pp_rank if meshes.pp is not None else 0
     skipped = SkippedSteps(job.train.max_skipped_in_a_row, env.is_main)
     spikes = SpikeLog(job.train.spike_factor, env.is_main)
     stop = job.train.stop_at_step or job.train.steps
@@ -100,9 +119,11 @@ def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
     metrics.start(state["step"])
     profiler = StepProfiler(job.train.profile_steps, model, optimizer, run_dir, env.rank,
                             env.device)
+    crash_faults.start_random_kill()
     try:
         while state["step"] < stop:
             profiler.before_step(state["step"] + 1)
+            clock.reset()
             t0 = time.perf_counter()
             ep_load_metrics(model)  # drop dispatches outside training steps (image forwards)
             batches = loader.next_step()
@@ -110,9 +131,12 @@ def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
             syncs = SyncCounts() if job.train.count_host_syncs else None
             if tau is not None:
                 reset_logits(model)
-            with syncs.step if syncs else contextlib.nullcontext():
+            with (syncs.step if syncs else contextlib.nullcontext(),
+                  crash_faults.step_kill_hooks(model, state["step"] + 1)):
                 result = train_step(pm, optimizer, batches, env, job.optim.grad_clip, syncs,
                                     flops, frozenset(injections.at(state["step"] + 1)))
+            compute = stragglers.update(state["step"] + 1, *gather_seconds(
+                clock.step_seconds(), stage, env.rank, env.world_size, env.device))
             loss, _, grad_norm, step_model_flops, mtp_loss, bad_ranks = result
             lr = scheduler.get_last_lr()[0]
             if result.skipped:  # nothing of this step lands: no update, bias, clip or LR step
@@ -136,12 +160,16 @@ def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
                 print(f"profile trace: {run_dir / 'profile'}/trace-rank<r>.json (Perfetto)",
                       flush=True)
             tps = job.data.global_batch * job.data.seq_len / dt
+            evaluated = (validator.losses(pm, env, DTYPES[job.cluster.param_dtype])
+                         if validator is not None and (state["step"] % job.eval.every == 0
+                                                       or state["step"] == stop) else {})
             scalars = {
                 "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_sec": tps,
                 **({} if mtp_loss is None else {"mtp_loss": mtp_loss}),
                 "mfu": (step_model_flops / dt / (env.world_size * peak)) if peak else None,
                 "model_flops": step_model_flops,
                 "step_time_s": dt, "tokens_seen": state["tokens_seen"],
+                "epoch": loader.position / loader.num_samples, **compute, **evaluated,
                 **loads, **qk,
                 **memory_stats(env.device),
                 **(syncs.metrics() if syncs else {}),
@@ -155,6 +183,7 @@ def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
                 _log_images(pm, metrics, state["step"], batches[0], env,
                             DTYPES[job.cluster.param_dtype])
             _reset_expert_loads(model)
+            ckpt.poll()  # publish the previous asynchronous save once it is written
             skipped.check(state["step"])
             done = state["step"] == stop
             if job.checkpoint.enabled and (state["step"] % job.checkpoint.interval == 0 or done):
@@ -168,6 +197,7 @@ def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
                           f"{time.perf_counter() - t_save:.2f} s", flush=True)
         ckpt.wait()
     finally:
+        clock.close()
         metrics.close()
     return state
 

@@ -2,7 +2,7 @@
 run directories, each through the launcher's entry function in this process
 (`launch.pretrain.main`: config checks, then `train.preflight` before any process group): one
 line on stderr that starts with `error:` and names the field or file, exit code 2, no traceback,
-nothing written. (`tests/e2e/test_failures.py` runs a few of them as real launches.)"""
+nothing written. (`tests/e2e/test_failures.py` runs one as a real launch.)"""
 
 from __future__ import annotations
 
@@ -27,6 +27,12 @@ CONFIGS = [  # (overrides, what the line must name)
     (["parallel.pp_schedule=foo"], "parallel.pp_schedule"),
     (["parallel.activation_checkpoint=some"], "parallel.activation_checkpoint"),
     (["train.stepz=3"], "train.stepz"),
+    (["optim.schedule=linear"], "optim.schedule"),
+    (["eval.batches=0"], "eval.batches"),
+    (["eval.every=-1"], "eval.every"),
+    (["debug.slow_rank=5"], "debug.slow_rank"),
+    (["data.max_epochs=0"], "data.max_epochs"),
+    (["train.straggler_factor=0.5"], "train.straggler_factor"),
     (["train.steps=abc"], "train.steps"),
     (["model.hidden_size=abc"], "model.hidden_size"),
     (["optim=sgd"], "optim/sgd"),
@@ -142,6 +148,14 @@ def test_bad_data(capsys, prepared, tmp_path, how):
     name = _break(folder, how)
     run_dir = tmp_path / "run"
     _assert_one_line(*_run(capsys, [f"run.dir={run_dir}", f"data.dataset={folder}"]), name)
+    assert not run_dir.exists()
+
+
+def test_validation_without_a_split(capsys, prepared, tmp_path):
+    """eval.every on a corpus prepared without --val-fraction names the flag to prepare one."""
+    run_dir = tmp_path / "run"
+    rc, err = _run(capsys, [f"run.dir={run_dir}", f"data.dataset={prepared}", "eval.every=2"])
+    _assert_one_line(rc, err, "--val-fraction")
     assert not run_dir.exists()
 
 
