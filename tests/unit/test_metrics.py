@@ -221,3 +221,27 @@ def test_wandb_gets_one_chart_per_moe_layer():
     assert out == {"loss": 2.5, "ep_rank_load_static/L1": 1.5, "ep_rank_load_static/L2": 1.2,
                    "ep_rank_load_static/L5": 1.9, "ep_rank_load_replicated/L1": 1.0,
                    "ep_rank_load_replicated/L2": 1.0, "ep_rank_load_replicated/L5": 1.0}
+
+
+def test_wandb_key_is_never_written(home, monkeypatch, capsys):
+    """Issue #18 item 8: the key is read from the environment only; no file of the run (config,
+    metrics, W&B's offline run files) and no console line holds it."""
+    from launch.pretrain import load_job
+    from train.trainer import _plain, _save_resolved_config
+
+    secret = "k3secret0123456789abcdef0123456789abcdef"
+    monkeypatch.setenv("WANDB_API_KEY", secret)
+    run = home / "run"
+    job = load_job(["+cluster=local_cpu", f"run.dir={run}"], 1)
+    _save_resolved_config(job, run)
+    logger = MetricsLogger(run, 0, 10, _plain(job), wandb_mode="offline", run_name="t",
+                           console=True)
+    logger.start(0)
+    logger.log_step(1, SCALARS)
+    logger.close()
+    files = [p for p in home.rglob("*") if p.is_file()]
+    assert any(p.name == "config.yaml" for p in files) and any(".wandb" in p.name for p in files)
+    for p in files:
+        assert secret.encode() not in p.read_bytes(), p
+    out = capsys.readouterr()
+    assert secret not in out.out + out.err
