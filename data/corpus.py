@@ -71,8 +71,10 @@ def default_corpus_dir(tokenizer_spec: str = "byte", cache_dir: str | Path | Non
         files = stdlib_files(max_bytes)
         print(f"k3train: preparing the default corpus ({len(files)} stdlib files) into {out}",
               file=sys.stderr)
+        # at least one file held out, also for a small max_bytes
+        fraction = min(0.5, max(VAL_FRACTION, 1 / max(1, len(files))))
         try:  # resumes an interrupted preparation with the same inputs
-            prepare(files, out, tok, workers=workers, val_fraction=VAL_FRACTION)
+            prepare(files, out, tok, workers=workers, val_fraction=fraction)
         except PrepareError:  # leftovers of a different preparation (e.g. another stdlib)
-            prepare(files, out, tok, workers=workers, overwrite=True, val_fraction=VAL_FRACTION)
+            prepare(files, out, tok, workers=workers, overwrite=True, val_fraction=fraction)
     return out

@@ -234,7 +234,10 @@ def test_default_corpus_prepared_once_then_reused(tmp_path, monkeypatch):
     assert m["complete"] and 0 < sum(s["bytes"] for s in m["sources"]) <= 200_000
     assert all("site-packages" not in s["path"] for s in m["sources"])
     # bytes + eos (>: invalid UTF-8 in an odd stdlib file becomes 3-byte U+FFFD)
-    assert m["num_tokens"] >= sum(s["bytes"] for s in m["sources"]) + m["num_docs"]
+    v = m["val"]  # whole files held out for validation
+    assert v["num_docs"] >= 1
+    assert (m["num_tokens"] + v["num_tokens"]
+            >= sum(s["bytes"] for s in m["sources"]) + m["num_docs"] + v["num_docs"])
     stamp = (out / "manifest.json").stat().st_mtime_ns
 
     def must_not_run(*a, **k):
