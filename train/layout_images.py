@@ -21,7 +21,7 @@ import torch.distributed as dist
 from model.packing import Packing
 from parallel.fsdp import unsharded_root
 from parallel.parallelize import ParallelModel
-from parallel.pipeline import stage_indices, stage_io_meta
+from parallel.pipeline_forward import forward_through_stages
 from train.model_stats import (
     attnres_depth_weights,
     expert_load_matrix,
@@ -52,42 +52,14 @@ def router_matrices(pm: ParallelModel) -> tuple[np.ndarray, np.ndarray, list[int
     return load, bias, [r[0] for r in rows]
 
 
-@torch.no_grad()
 def _pipeline_mixes(pm: ParallelModel, ids: torch.Tensor, cu: torch.Tensor,
                     dtype: torch.dtype) -> list:
     """(stage, recorded mixes) of this rank's stages for one row sent through the pipeline."""
-    dims, model = pm.dims, pm.model
-    pp_group = pm.meshes.pp.get_group()
-    owner = {s: r for r in range(dims.pp)
-             for s in stage_indices(r, dims.pp, dims.num_stages, dims.pp_schedule)}
-    me = pm.meshes.pp_rank
     packing = Packing.from_host(cu.cpu(), *ids.shape, ids.device)
     stage_kw = {"cu_seqlens": packing.cu_seqlens.view(1, -1), "seq_len": ids.shape[1],
                 "max_seqlen": packing.max_seqlen}
-    mine = dict(zip(pm.stages, pm.stage_modules))
-    state: tuple[torch.Tensor, ...] = ()
-    out = []
-    for s in range(dims.num_stages):
-        if owner[s] != me:
-            continue
-        if s > 0 and owner[s - 1] != me:  # receive the state the previous stage sent
-            meta = stage_io_meta(model.config, pm.splits, s, ids.shape[0], ids.shape[1],
-                                 dims.tp, dtype)[0]
-            state = tuple(torch.empty(m.shape, dtype=m.dtype, device=ids.device) for m in meta)
-            src = dist.get_global_rank(pp_group, owner[s - 1])
-            for t in state:
-                dist.recv(t, src=src, group=pp_group)
-        inputs = (ids,) if s == 0 else state
-        with record_mixes(model) as recorded:
-            result = mine[s](*inputs, **stage_kw, labels=ids)  # the last stage: a loss
-        out.append((s, recorded))
-        if s < dims.num_stages - 1:
-            state = tuple(t.contiguous() for t in result)
-            if owner[s + 1] != me:
-                dst = dist.get_global_rank(pp_group, owner[s + 1])
-                for t in state:
-                    dist.send(t, dst=dst, group=pp_group)
-    return out
+    passes = forward_through_stages(pm, ids, stage_kw, ids, dtype, around=record_mixes)
+    return [(s, recorded) for s, _, recorded in passes]  # the last stage's loss is unused
 
 
 def attnres_weights(pm: ParallelModel, ids: torch.Tensor, cu: torch.Tensor,
