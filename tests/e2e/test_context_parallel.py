@@ -1,10 +1,10 @@
 """Context parallelism (`parallel.cp`) through the real launcher, fp64 verification mode: cp 2 and
 cp 4, and cp 2 with tp 2, pp 2 and ep 2, give the same per-step losses, gradient norms, clipped
 heads (QK-Clip at tau 2: the Ulysses logit bounds gathered back to every head), MTP losses (the
-next-token embeddings of each shard taken from the whole rows) and parameters as one rank, on a
-corpus of short documents (3-60 bytes) so that documents start inside cp shards, exactly at
-their edges, and cross them; cp 2's step-2 checkpoint resumes on one rank with the same losses
-and parameters."""
+next-token embeddings of each shard taken from the whole rows), validation losses and parameters
+as one rank, on a corpus of short documents (3-60 bytes) so that documents start inside cp
+shards, exactly at their edges, and cross them; cp 2's step-2 checkpoint resumes on one rank
+with the same losses and parameters."""
 
 from __future__ import annotations
 
@@ -37,10 +37,11 @@ def runs(tmp_path_factory):
         for _ in range(3000):
             text = " ".join(rng.choice(words) for _ in range(rng.randint(1, 10)))
             f.write(json.dumps({"text": text}) + "\n")
-    corpus = prepare([root / "docs.jsonl"], root / "corpus", "byte", workers=1, progress=False)
+    corpus = prepare([root / "docs.jsonl"], root / "corpus", "byte", workers=1, progress=False,
+                     val_fraction=0.05)
     args = ["data=prepared", f"data.dataset={corpus}", "train.steps=3", "checkpoint.interval=2",
             "cluster.param_dtype=fp64", "optim.qk_clip_tau=2.0",
-            "model.num_nextn_predict_layers=1"]
+            "model.num_nextn_predict_layers=1", "eval.every=3", "eval.batches=2"]
     out = {n: root / n for n in ("ref", "resumed", *LAYOUTS)}
     pretrain(out["ref"], *args)
     for nproc in (2, 4):
@@ -62,6 +63,8 @@ def test_layouts_equal_one_rank(runs, name):
         assert close(g["grad_norm"], r["grad_norm"], 1e-6), (name, g["grad_norm"])
         assert g["qk_clipped_heads"] == r["qk_clipped_heads"] > 0, (name, g, r)
         assert g["sample_ids"] == r["sample_ids"]
+    for key in ("val_loss", "val_mtp_loss"):  # step 3's validation, MTP head included
+        assert close(got[-1][key], ref[-1][key], 1e-9), (name, key, got[-1][key], ref[-1][key])
     assert len(assert_parameters_equal(runs["ref"], runs[name], 3)) > 50
 
 
@@ -70,6 +73,7 @@ def test_cp_checkpoint_resumes_on_one_rank(runs):
     assert [m["step"] for m in got] == [3]
     for g in got:
         assert close(g["loss"], ref[g["step"] - 1]["loss"], 1e-9), (g, ref[g["step"] - 1])
+        assert close(g["val_loss"], ref[g["step"] - 1]["val_loss"], 1e-9), g
     assert len(assert_parameters_equal(runs["ref"], runs["resumed"], 3)) > 50
 
 

@@ -1,12 +1,12 @@
-"""Expert parallelism (MoonEP dispatch, dynamic replicas) through the real launcher: every EP
-layout trains to the same per-step losses, gradient norms and parameters as one rank (fp64
-verification mode, as the TP/PP layouts in `test_tensor_pipeline.py`), with balanced EP ranks
-and the same Quantile-Balancing biases. Losses alone would not do: multiplying every routed-
-expert gradient by 4 moves 6-step debug losses by only 1.8e-5, but the gradient norm by far more
-than the 1e-6 bound here. ep4 x tp2 also runs full activation checkpointing, whose recompute
-reuses the forward's MoonEP routes; dp_replicate 2 x ep 2 is HSDP with EP inside each replica
-group. A short fp32 run counts host reads: one per MoE layer and micro-batch. An EP checkpoint
-resuming on one rank: `test_tensor_pipeline.py` (tp2 x dp2 x ep2 -> one rank)."""
+"""Expert parallelism (MoonEP dispatch, dynamic replicas) through the real launcher: every EP layout
+trains to the same per-step losses, gradient norms, parameters and validation loss as one rank (fp64
+verification mode, as the TP/PP layouts in `test_tensor_pipeline.py`), with balanced EP ranks and
+the same Quantile-Balancing biases. Losses alone would not do: multiplying every routed-expert
+gradient by 4 moves 6-step debug losses by only 1.8e-5, but the gradient norm by far more than the
+1e-6 bound here. ep4 x tp2 also runs full activation checkpointing, whose recompute reuses the
+forward's MoonEP routes; dp_replicate 2 x ep 2 is HSDP with EP inside each replica group. A short
+fp32 run counts host reads: one per MoE layer and micro-batch. An EP checkpoint resuming on one
+rank: `test_tensor_pipeline.py` (tp2 x dp2 x ep2 -> one rank)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import torch
 
 from tests.helpers.runs import assert_parameters_equal, close, metrics, pretrain, pretrain_many
 
-ARGS = ["train.steps=4", "checkpoint.interval=3", "cluster.param_dtype=fp64"]
+ARGS = ["train.steps=4", "checkpoint.interval=3", "cluster.param_dtype=fp64",
+        "eval.every=4", "eval.batches=2"]
 LAYOUTS = {
     "ep2_static": (["parallel.ep=2", "parallel.ep_replicas=false"], 2),
     "ep4": (["parallel.ep=4"], 4),
@@ -51,6 +52,8 @@ def test_losses_and_grad_norms_equal_one_rank(runs, name):
         assert close(g["loss"], r["loss"], 1e-6), (name, r["step"], g["loss"], r["loss"])
         assert close(g["grad_norm"], r["grad_norm"], 1e-6), (name, r["step"], g["grad_norm"],
                                                               r["grad_norm"])
+    # validation in eval mode: MoonEP dispatch without statistics or replanning
+    assert close(got[-1]["val_loss"], ref[-1]["val_loss"], 1e-9), (name, got[-1], ref[-1])
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

@@ -1,6 +1,7 @@
 """Tensor, sequence and pipeline parallelism through the real launcher on 4 gloo ranks: every
 layout trains the debug model to the same per-step losses, gradient norms and parameters as one
-rank, and a checkpoint written under one layout resumes under another.
+rank, the same validation loss, and a checkpoint written under one layout resumes under
+another.
 
 The layout runs use `cluster.param_dtype=fp64`. In fp32 a layout's different summation order
 moves hidden states by ~1e-7, which can flip a near-tied top-k routing decision; the flipped
@@ -24,7 +25,8 @@ from tests.helpers.runs import (
     pretrain_many,
 )
 
-ARGS = ["train.steps=4", "checkpoint.interval=3", "cluster.param_dtype=fp64"]
+ARGS = ["train.steps=4", "checkpoint.interval=3", "cluster.param_dtype=fp64",
+        "eval.every=4", "eval.batches=2"]  # validation loss at step 4, in every layout
 IMAGES = "train.log_images_every=4"  # the diagnostic images of the whole model, any layout
 LAYOUTS = {  # activation checkpointing and expert parallelism ride along (they change nothing)
     "dp4": [],
@@ -81,6 +83,7 @@ def test_losses_equal_one_rank(runs, name):
         assert _close(g["grad_norm"], r["grad_norm"], 1e-6), (name, g["grad_norm"])
         # routing statistics gathered over pipeline stages and summed over sequence slices
         assert _close(g["expert_load_max_over_mean"], r["expert_load_max_over_mean"], 1e-9)
+    assert _close(got[-1]["val_loss"], ref[-1]["val_loss"], 1e-9), (name, got[-1], ref[-1])
     if "parallel.ep=2" in LAYOUTS[name]:
         assert all(len(m["ep_rank_load_static"]) == 7 for m in got)  # one per MoE layer
 
@@ -126,6 +129,7 @@ def test_resume_under_another_layout(runs, name):
         r = ref[g["step"] - 1]
         assert _close(g["loss"], r["loss"], 1e-6), (name, g["step"], g["loss"], r["loss"])
         assert g["sample_ids"] == r["sample_ids"]  # the loader resumed at the same sample
+        assert _close(g["val_loss"], r["val_loss"], 1e-9), (name, g["val_loss"], r["val_loss"])
 
 
 def test_same_samples_in_every_layout(runs):
