@@ -5,7 +5,8 @@
 A 2-rank `debug` job under `torchrun --max-restarts=1` (`--nnodes 2`: two agents of one worker
 each at a c10d rendezvous on localhost) has rank 1 SIGKILLed mid-forward at `--kill-step`
 (`K3TRAIN_FAULT`). From the fault log and metrics.jsonl:
-- `detected_s`: kill -> the agent's "failed (exitcode: -9)" line (glog time, ms);
+- `detected_s`: kill -> the first agent's "failed (exitcode: N)" line (glog time, ms): the
+  killed worker (-9) or a peer whose collective broke (1), whichever the agent saw first;
 - `restarted_s`: kill -> the last restarted worker entering the launcher;
 - `stepping_s`: kill -> the first step completed after the resume;
 - `steps_redone`: steps trained again (those after the resumed checkpoint, before the kill).
@@ -29,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 JOB = ["+cluster=local_cpu", "data.seq_len=64", "data.global_batch=8", "data.micro_batch=2",
        "data.stdlib_max_bytes=2000000", "metrics.wandb_mode=disabled", "train.log_images_every=0",
        "checkpoint.interval=2", "cluster.timeout_s=60"]
-FAILED = re.compile(r"^E(\d\d)(\d\d) (\d\d:\d\d:\d\d\.\d+) .*failed \(exitcode: -9\)", re.M)
+FAILED = re.compile(r"^E(\d\d)(\d\d) (\d\d:\d\d:\d\d\.\d+) .*failed \(exitcode: -?\d+\)", re.M)
 
 
 def _agent_args(nnodes: int) -> list[list[str]]:
