@@ -1,6 +1,6 @@
 """data: text -> token shards -> packed windows -> deterministic, reshardable DP batches.
 
-  tokenizer.py  ByteTokenizer, HFTokenizer, load_tokenizer
+  tokenizer.py  ByteTokenizer, HFTokenizer, TiktokenTokenizer (K3), load_tokenizer
   sources.py    input discovery and the per-file tokenising worker
   shards.py     the on-disk shard format and its resumable writer
   prepare.py    `python -m data.prepare INPUT... --output DIR` / prepare()

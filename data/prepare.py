@@ -261,7 +261,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m data.prepare", description=__doc__.split("\n")[0])
     ap.add_argument("inputs", nargs="+", metavar="INPUT", help="files or folders (recursive)")
     ap.add_argument("--output", required=True, metavar="DIR")
-    ap.add_argument("--tokenizer", default="byte", help="'byte' or a path to tokenizer.json")
+    ap.add_argument("--tokenizer", default="byte", help="'byte', a path to tokenizer.json, or "
+                    "a folder with tiktoken.model (K3's release)")
     ap.add_argument("--workers", type=int, default=None,
                     help=f"tokenising processes (default: 1 for byte, else {default_workers()})")
     ap.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS)

@@ -1,6 +1,8 @@
-"""Tokenizers behind one small interface: a byte-level one for tests/demos and a Hugging Face one.
+"""Tokenizers behind one small interface: a byte-level one for tests/demos, a Hugging Face
+`tokenizer.json`, and a tiktoken BPE model (Kimi K2's and K3's: `tiktoken.model` with the special
+tokens of its `tokenizer_config.json`).
 
-Both expose `name` (a stable id written into manifests and cache keys), `encode`, `encode_batch`,
+All expose `name` (a stable id written into manifests and cache keys), `encode`, `encode_batch`,
 `decode`, `bos_id`, `eos_id` and `vocab_size`. Text is encoded without any special tokens: the
 preparer appends `eos_id` after each document itself, and a literal "<|endoftext|>" inside a
 document is encoded as ordinary text, never as a boundary.
@@ -10,6 +12,8 @@ Deliberately not here: chat templates, padding/truncation, training tokenizers.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import json
 from pathlib import Path
@@ -131,16 +135,135 @@ class HFTokenizer:
         return f"HFTokenizer({str(self.path)!r}, name={self.name!r})"
 
 
+# Kimi's pre-tokenisation (K2/K3 `tokenization_kimi.py`): Han runs, cased words with English
+# contractions, 1-3 digits, punctuation runs, newlines, spaces.
+KIMI_PATTERN = "|".join([
+    r"""[\p{Han}]+""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"""
+    r"""[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"""
+    r"""[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""\p{N}{1,3}""",
+    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+    r"""\s*[\r\n]+""",
+    r"""\s+(?!\S)""",
+    r"""\s+""",
+])
+TIKTOKEN_FILE = "tiktoken.model"
+RESERVED_SPECIAL = 256  # ids base..base+255 are special; unnamed ones are <|reserved_token_i|>
+
+
+class TiktokenTokenizer:
+    """A tiktoken BPE model (`<dir>/tiktoken.model`: base64 token, rank per line) with Kimi's
+    special tokens: the ids after the base vocabulary, named by `tokenizer_config.json`'s
+    `added_tokens_decoder` (`bos_token`, `eos_token` pick BOS and EOS; else the usual names);
+    name is "tiktoken:" + the first 12 hex digits of the sha256 of both files."""
+
+    def __init__(self, folder: str | Path, eos_token: str | None = None) -> None:
+        self.path = Path(folder)
+        model, config = self.path / TIKTOKEN_FILE, self.path / "tokenizer_config.json"
+        try:
+            raw = model.read_bytes()
+            cfg_raw = config.read_bytes() if config.is_file() else b"{}"
+            cfg = json.loads(cfg_raw)
+            ranks = _tiktoken_ranks(raw)
+        except (OSError, ValueError) as e:
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ValueError(f"cannot load tiktoken tokenizer {str(folder)!r} ({msg}); pass a "
+                             f"folder with {TIKTOKEN_FILE} (base64 token and rank per line) "
+                             "and tokenizer_config.json") from None
+        self.name = "tiktoken:" + hashlib.sha256(raw + b"\0" + cfg_raw).hexdigest()[:12]
+        self._state = {"ranks": ranks, "cfg": cfg, "eos_token": eos_token}
+        self._setup()
+
+    def _setup(self) -> None:
+        import tiktoken
+
+        ranks, cfg = self._state["ranks"], self._state["cfg"]
+        base = len(ranks)
+        named = {int(i): t["content"] if isinstance(t, dict) else str(t)
+                 for i, t in cfg.get("added_tokens_decoder", {}).items() if int(i) >= base}
+        ids = range(base, max([base + RESERVED_SPECIAL - 1, *named]) + 1)
+        self.special = {named.get(i, f"<|reserved_token_{i}|>"): i for i in ids}
+        self._enc = tiktoken.Encoding(name=self.name, pat_str=KIMI_PATTERN,
+                                      mergeable_ranks=ranks, special_tokens=self.special)
+        self.vocab_size = self._enc.n_vocab
+        eos = self._special(self._state["eos_token"] or _token_text(cfg.get("eos_token")),
+                            EOS_NAMES, "eos")
+        bos = self._special(_token_text(cfg.get("bos_token")), BOS_NAMES, None)
+        self.eos_id = eos
+        self.bos_id = eos if bos is None else bos
+
+    def _special(self, explicit: str | None, names: tuple[str, ...], what: str | None):
+        if explicit is not None:
+            if explicit not in self.special:
+                raise ValueError(f"token {explicit!r} is not a special token of tokenizer "
+                                 f"{str(self.path)!r}; pass one its tokenizer_config.json names")
+            return self.special[explicit]
+        found = next((self.special[n] for n in names if n in self.special), None)
+        if found is None and what:
+            raise ValueError(f"tokenizer {str(self.path)!r} has none of the {what} tokens "
+                             f"{list(names)}; pass eos_token='<its end-of-text token>'")
+        return found
+
+    def encode(self, text: str) -> list[int]:
+        return self._enc.encode(text, disallowed_special=())  # special names stay text
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self._enc.encode_batch(texts, disallowed_special=())
+
+    def decode(self, ids: list[int]) -> str:
+        return self._enc.decode([int(i) for i in ids])
+
+    def __getstate__(self) -> dict:  # the tiktoken core does not pickle
+        return {"path": str(self.path), "name": self.name, **self._state}
+
+    def __setstate__(self, s: dict) -> None:
+        self.path, self.name = Path(s.pop("path")), s.pop("name")
+        self._state = s
+        self._setup()
+
+    def __repr__(self) -> str:
+        return f"TiktokenTokenizer({str(self.path)!r}, name={self.name!r})"
+
+
+def _tiktoken_ranks(raw: bytes) -> dict[bytes, int]:
+    """tiktoken's BPE file: one `base64(token) rank` per line (what `load_tiktoken_bpe` reads)."""
+    ranks = {}
+    for n, line in enumerate(raw.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except (ValueError, binascii.Error):
+            raise ValueError(f"line {n} is not '<base64 token> <rank>'") from None
+    if not ranks:
+        raise ValueError("no tokens")
+    return ranks
+
+
+def _token_text(tok) -> str | None:
+    """A tokenizer_config.json token entry: a string or {"content": ...}."""
+    return tok.get("content") if isinstance(tok, dict) else tok
+
+
 def load_tokenizer(spec: str | Path, eos_token: str | None = None) -> Tokenizer:
-    """"byte", a path to a tokenizer.json, or a folder holding one; ValueError otherwise."""
+    """"byte", a path to a tokenizer.json, or a folder holding one or a tiktoken.model (K3's
+    release); ValueError otherwise."""
     if str(spec) == "byte":
         return ByteTokenizer()
     p = Path(spec)
+    if p.is_file() and p.name == TIKTOKEN_FILE:
+        p = p.parent
+    if p.is_dir() and (p / TIKTOKEN_FILE).is_file():
+        return TiktokenTokenizer(p, eos_token=eos_token)
     if p.is_dir() and (p / "tokenizer.json").is_file():
         p = p / "tokenizer.json"
     if not p.is_file():
         raise ValueError(f"tokenizer {str(spec)!r} is neither 'byte' nor an existing file; "
-                         "use --tokenizer byte or a path to a Hugging Face tokenizer.json")
+                         "use --tokenizer byte, a Hugging Face tokenizer.json or a folder with "
+                         f"{TIKTOKEN_FILE}")
     try:
         json.loads(p.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
