@@ -4,7 +4,9 @@ Composes `configs/` with Hydra (compose API: no per-rank output folders or log f
 the whole job against the world size before any process group starts, then trains. Running the
 same command again resumes from the latest intact checkpoint in the run directory, and so does a
 worker group that torchrun restarts (`--max-restarts=K`) after a rank dies. A bad config
-prints one line naming the field and the fix, exits with code 2 and writes nothing.
+prints one line naming the field and the fix, exits with code 2 and writes nothing. With no
+`model=`, `model.*` or `+recipe=` override, a run directory holding checkpoints (an import by
+`train.import_hf`, say) trains the model they hold.
 Extra flag: `--print-config` prints the resolved config and exits.
 """
 
@@ -55,7 +57,25 @@ def load_job(overrides: list[str], world_size: int, check_device: bool = True) -
         raise ConfigError(_one_line(e)) from None
     if job.run.name is None:
         job.run.name = f"k3-{model_choice}"
+    if not any(o.lstrip("+~").startswith(MODEL_CHOICES) for o in overrides):
+        _model_from_run_dir(job)
     return validate_job(job, world_size, check_device)
+
+
+MODEL_CHOICES = ("model=", "model.", "recipe=")
+
+
+def _model_from_run_dir(job: JobConfig) -> None:
+    """No model on the command line and a run directory with checkpoints: train the model
+    they hold (an imported K3, a run started with model=k3_small) rather than the default."""
+    if not (job.checkpoint.enabled and job.checkpoint.resume):
+        return
+    from model.config import ModelConfig
+    from train.preflight import newest_train_state
+
+    state = newest_train_state(job.run_dir)
+    if state is not None and "model_config" in state:
+        job.model = ModelConfig.from_dict(state["model_config"])
 
 
 def main(argv: list[str]) -> int:

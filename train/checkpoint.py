@@ -1,24 +1,25 @@
 """Sharded checkpoints of the whole train state with torch.distributed.checkpoint (DCP).
 
-Layout: `<run>/checkpoints/step-<8 digits>/` holds the DCP shards of {model (with router biases
-and QB statistics), optimizer} plus `train_state.json` (step, tokens seen, data-loader position,
-scheduler, RNG states, model config). Each save is written to `.tmp-step-<n>/` and published by an
-atomic rename once every rank has finished, so a crash (even kill -9) mid-write leaves the
-previous checkpoint loadable and the partial one ignored. Loading goes through DCP's resharding,
-so any world size or layout can load any other. Asynchronous saves (`checkpoint.async_save`: on
-CUDA by default, on CPU when set) stage a copy of the state, write it from a background thread on
-their own gloo group (cpu-testing.md trap 2) and are published at the first step end at which
-every rank has finished writing (`poll`), at the latest at the next save or the end.
+Layout: `<run>/checkpoints/step-<8 digits>/` holds the DCP shards of {model (with router biases and
+QB statistics), optimizer} plus `train_state.json` (step, tokens seen, data-loader position,
+scheduler, RNG states, model config); a model-only checkpoint (`save_weights`, written by
+`train.import_hf` as step 0) holds the model alone. Each save is written to `.tmp-step-<n>/` and
+published by an atomic rename once every rank has finished, so a crash (even kill -9) mid-write
+leaves the previous checkpoint loadable and the partial one ignored. Loading goes through DCP's
+resharding, so any world size or layout can load any other. Asynchronous saves
+(`checkpoint.async_save`: on CUDA by default, on CPU when set) stage a copy of the state, write it
+from a background thread on their own gloo group (cpu-testing.md trap 2) and are published at the
+first step end at which every rank has finished writing (`poll`), at the latest at the next save or
+the end.
 
-Integrity: before publishing, `checksums.json` records the size and SHA-256 of every file of
-the checkpoint (each rank hashes its share of the files). Resuming takes the newest checkpoint
-whose files all match (`latest_intact`: each rank verifies a share, all agree); a missing,
-truncated or altered file is named in one line and that checkpoint skipped for the previous
-one. A save that fails (a full disk, an unwritable directory: `OSError` on any rank, which DCP
-raises on every rank) removes its temporary directory, leaves the published ones as they were,
-says so, and training goes on; the next interval tries again. DCP's `.metadata` is a pickle:
-load checkpoints from trusted sources only.
-"""
+Integrity: before publishing, `checksums.json` records the size and SHA-256 of every file of the
+checkpoint (each rank hashes its share of the files). Resuming takes the newest checkpoint whose
+files all match (`latest_intact`: each rank verifies a share, all agree); a missing, truncated or
+altered file is named in one line and that checkpoint skipped for the previous one. A save that
+fails (a full disk, an unwritable directory: `OSError` on any rank, which DCP raises on every rank)
+removes its temporary directory, leaves the published ones as they were, says so, and training goes
+on; the next interval tries again. DCP's `.metadata` is a pickle: load checkpoints from trusted
+sources only."""
 
 from __future__ import annotations
 
@@ -236,6 +237,32 @@ class Checkpointer:
             return False
         return True
 
+    def save_weights(self, step: int, model_state: dict[str, torch.Tensor],
+                     train_state: dict[str, Any], planner=None) -> Path:
+        """A model-only checkpoint (`"weights_only": true` in train_state.json), the importer's
+        step 0: the trainer loads its weights into any layout and starts a fresh optimizer,
+        schedule and data order. `planner` may resolve each tensor lazily (the importer
+        streams them). Published like any save; on failure its temporary directory is removed
+        and the error raised (every rank calls)."""
+        tmp, final = self.root / f".tmp-step-{step:08d}", self.root / f"step-{step:08d}"
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            payload = {**train_state, "step": step, "weights_only": True,
+                       "world_size": dist.get_world_size()}
+            (tmp / "train_state.json").write_text(json.dumps(payload))
+        dist.barrier()
+        try:
+            dcp.save({"model": model_state}, checkpoint_id=str(tmp), planner=planner)
+            self._publish(tmp, final)
+        except BaseException:
+            dist.barrier()
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return final
+
     def poll(self) -> None:
         """Publish a pending asynchronous save as soon as every rank's write is done (call
         once per step on every rank), so a crash loses at most the save still in flight."""
@@ -304,14 +331,17 @@ class Checkpointer:
     # ----------------------------------------------------------------------- load
     def load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer
              ) -> dict[str, Any]:
-        """Load model and optimizer (resharding as needed); return the train_state dict."""
-        state = {"model": get_model_state_dict(model),
-                 "optim": get_optimizer_state_dict(model, optimizer)}
+        """Load model and optimizer (resharding as needed); return the train_state dict. A
+        model-only checkpoint (`weights_only`, from the importer) loads the model alone."""
+        train_state = json.loads((path / "train_state.json").read_text())
+        state = {"model": get_model_state_dict(model)}
+        if not train_state.get("weights_only"):
+            state["optim"] = get_optimizer_state_dict(model, optimizer)
         dcp.load(state, checkpoint_id=str(path))
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
-        set_optimizer_state_dict(model, optimizer, state["optim"])
-        train_state = json.loads((path / "train_state.json").read_text())
-        rngs = train_state.pop("rng")
-        if train_state.pop("world_size") == dist.get_world_size():
+        if "optim" in state:
+            set_optimizer_state_dict(model, optimizer, state["optim"])
+        rngs = train_state.pop("rng", None)
+        if train_state.pop("world_size", None) == dist.get_world_size() and rngs:
             set_rng_state(rngs[self.rank])
         return train_state

@@ -65,7 +65,8 @@ class PrecisionConfig:
 @dataclass
 class DataConfig:
     dataset: str = "stdlib"  # "stdlib" (embedded default corpus) or a prepared data directory
-    tokenizer: str = "byte"  # "byte" or a path to a Hugging Face tokenizer.json
+    # "byte", a Hugging Face tokenizer.json, or a folder with one or with K3's tiktoken.model
+    tokenizer: str = "byte"
     seq_len: int = 256
     global_batch: int = 16  # sequences per optimizer step, whatever the world size
     micro_batch: int = 4  # sequences per forward/backward on one rank
@@ -224,8 +225,11 @@ def validate_job(job: JobConfig, world_size: int, check_device: bool = True) -> 
     _need(d.dataset == "stdlib" or Path(d.dataset, "manifest.json").is_file(),
           f"data.dataset={d.dataset!r} has no manifest.json; prepare it with "
           "`python -m data.prepare <text files> --output <dir>` or use data.dataset=stdlib")
-    _need(d.tokenizer == "byte" or Path(d.tokenizer).is_file(),
-          f"data.tokenizer={d.tokenizer!r} is neither 'byte' nor an existing tokenizer.json")
+    _need(d.tokenizer == "byte" or Path(d.tokenizer).is_file()
+          or (Path(d.tokenizer) / "tokenizer.json").is_file()
+          or (Path(d.tokenizer) / "tiktoken.model").is_file(),
+          f"data.tokenizer={d.tokenizer!r} is neither 'byte' nor an existing tokenizer.json or "
+          "folder with tokenizer.json or tiktoken.model")
     p = job.precision
     _need(p.gemm in ("default", "mxfp8"), f"precision.gemm={p.gemm!r}: use default or mxfp8")
     _need(p.mx_mode in ("rceil", "floor"), f"precision.mx_mode={p.mx_mode!r}: use rceil or floor")

@@ -140,7 +140,7 @@ def check_same_model(job: JobConfig) -> None:
         raise ConfigError(f"run.dir={str(run_dir)!r} holds checkpoints of a different model "
                           f"(model.{diff[0]} differs); use another run.dir or the same model")
     optim = state.get("optim_name", "adamw")  # checkpoints before optim=muon: adamw
-    if optim != job.optim.name:
+    if optim != job.optim.name and not state.get("weights_only"):  # imports hold no optimizer
         raise ConfigError(f"run.dir={str(run_dir)!r} holds checkpoints of optim={optim}, this "
                           f"run has optim={job.optim.name}; use another run.dir (or run.name) "
                           f"or optim={optim}")

@@ -75,8 +75,10 @@ def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
         lines, warnings = describe_data(job, loader, val_loader)
         for line in lines + warnings:
             print(line, flush=True)
-    if resume_from is not None:  # a refused data state (seq_len, corpus) writes nothing
-        _load_loader_state(loader, json.loads((resume_from / "train_state.json").read_text()))
+    resumed_state = (json.loads((resume_from / "train_state.json").read_text())
+                     if resume_from is not None else {})
+    if resumed_state and not resumed_state.get("weights_only"):
+        _load_loader_state(loader, resumed_state)  # a refused data state writes nothing
     if env.is_main:
         _save_resolved_config(job, run_dir)
     n_micro = job.data.global_batch // (dims.dp * job.data.micro_batch)
@@ -94,7 +96,11 @@ def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
     ckpt.clean_partial()
     if resume_from is not None:
         state = _resume(ckpt, resume_from, model, optimizer, scheduler, loader)
-        if env.is_main:
+        if env.is_main and resumed_state.get("weights_only"):
+            print(f"initialised from the imported weights of {resume_from.name} ("
+                  f"{resumed_state.get('source', '?')}): fresh optimizer, schedule and data "
+                  "order", flush=True)
+        elif env.is_main:
             restart = crash_faults.attempt()
             print(f"resumed from {resume_from.name}"
                   + (f" (torchrun restart {restart})" if restart else ""), flush=True)
@@ -499,6 +505,8 @@ def _describe_layout(pm: ParallelModel, env: DistEnv) -> None:
 def _resume(ckpt: Checkpointer, path: Path, model, optimizer, scheduler, loader
             ) -> dict[str, Any]:
     ts = ckpt.load(path, model, optimizer)
+    if ts.get("weights_only"):  # imported weights (train.import_hf): everything else is fresh
+        return {"step": 0, "tokens_seen": 0, "skipped_steps": 0}
     scheduler.load_state_dict(ts["scheduler"])
     _load_loader_state(loader, ts)
     if int(path.name.split("-")[1]) != ts["step"] or scheduler.last_epoch != ts["step"]:

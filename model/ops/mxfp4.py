@@ -1,18 +1,18 @@
 """MXFP4 (OCP MX v1.0) dequantisation: Kimi K3's released routed-expert weights.
 
 K3's release stores each routed expert's w1/w2/w3 in compressed-tensors' `mxfp4-pack-quantized`
-format (k3-architecture.md §6.6): `weight_packed` uint8 [out, in/2], two E2M1 codes per byte
-(the low nibble is the even column), and `weight_scale` uint8 [out, in/32], one E8M0 exponent per
-32 consecutive input columns. A code's bit 3 is the sign and bits 0-2 index the magnitudes
-{0, 0.5, 1, 1.5, 2, 3, 4, 6}; the weight is value x 2^(scale - 127). Scale byte 255 is NaN (the
-OCP spec: E8M0 has no Inf), so a whole group decodes to NaN; byte 0 is 2^-127.
+format (k3-architecture.md §6.6): `weight_packed` uint8 [out, in/2], two E2M1 codes per byte (the
+low nibble is the even column), and `weight_scale` uint8 [out, in/32], one E8M0 exponent per 32
+consecutive input columns. A code's bit 3 is the sign and bits 0-2 index the magnitudes {0, 0.5, 1,
+1.5, 2, 3, 4, 6}; the weight is value x 2^(scale - 127). Scale byte 255 is NaN (the OCP spec: E8M0
+has no Inf), so a whole group decodes to NaN; byte 0 is 2^-127.
 
 The result is exact in float32 and bfloat16: an E2M1 value has two significant bits, and the
-smallest non-zero product, 0.5 x 2^-127, is a subnormal of both formats (their exponent ranges
-are the same); only products of 2^128 or more (scale bytes 253-254 with |value| >= 4 or 2)
-overflow to +-inf, as IEEE rounding has them. The scale is built from its float32 bits (not `exp2`), so no library rounding enters.
-Vectorised over all groups; it runs once per tensor at import time, not in training.
-"""
+smallest non-zero product, 0.5 x 2^-127, is a subnormal of both formats (their exponent ranges are
+the same); only products of 2^128 or more (scale bytes 253-254 with |value| >= 4 or 2) overflow to
++-inf, as IEEE rounding has them. The scale is built from its float32 bits (not `exp2`), so no
+library rounding enters. Vectorised over all groups; it runs once per tensor at import time, not in
+training."""
 
 from __future__ import annotations
 
