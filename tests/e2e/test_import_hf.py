@@ -162,3 +162,18 @@ def test_an_ignored_field_is_accepted_and_logged(runs, tmp_path, capsys):
     args = [str(bad), "--output", str(tmp_path / "out"), "--ignore-field", "sliding_window"]
     assert import_main(args) == 0
     assert "text_config.sliding_window" in capsys.readouterr().out
+
+
+def test_sample_continues_greedily_like_the_source(runs, capsys):
+    from train.sample import main as sample_main
+
+    root, source = runs["root"], runs["source"]
+    tok = load_tokenizer(root / "run" / "tokenizer")
+    ids = tok.encode("kimi")
+    with torch.no_grad():  # the oracle: argmax of the source model's last position, 6 times
+        for _ in range(6):
+            ids.append(int(_logits(source, torch.tensor([ids]))[0, -1].argmax()))
+            if ids[-1] == tok.eos_id:
+                break
+    assert sample_main([str(root / "run"), "--prompt", "kimi", "--tokens", "6"]) == 0
+    assert capsys.readouterr().out == tok.decode(ids) + "\n"
