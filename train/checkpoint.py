@@ -242,8 +242,9 @@ class Checkpointer:
         """A model-only checkpoint (`"weights_only": true` in train_state.json), the importer's
         step 0: the trainer loads its weights into any layout and starts a fresh optimizer,
         schedule and data order. `planner` may resolve each tensor lazily (the importer
-        streams them). Published like any save; on failure its temporary directory is removed
-        and the error raised (every rank calls)."""
+        streams them); each tensor then gets a file of its own, because DCP's writer keeps
+        every tensor of a file alive until that file is written. Published like any save; on
+        failure its temporary directory is removed and the error raised (every rank calls)."""
         tmp, final = self.root / f".tmp-step-{step:08d}", self.root / f"step-{step:08d}"
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -254,7 +255,9 @@ class Checkpointer:
             (tmp / "train_state.json").write_text(json.dumps(payload))
         dist.barrier()
         try:
-            dcp.save({"model": model_state}, checkpoint_id=str(tmp), planner=planner)
+            writer = FileSystemWriter(str(tmp), single_file_per_rank=planner is None)
+            dcp.save({"model": model_state}, checkpoint_id=str(tmp), planner=planner,
+                     storage_writer=writer)
             self._publish(tmp, final)
         except BaseException:
             dist.barrier()
