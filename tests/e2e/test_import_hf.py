@@ -1,13 +1,13 @@
 """Continued pretraining from K3's released format (`train.import_hf`, issue #19).
 
 A synthetic checkpoint in K3's release layout (`tests/helpers/k3_release.py`: bf16 text tensors,
-MXFP4-packed routed experts dequantised by compressed-tensors, vision tensors, 3 shards, a
-tiktoken tokenizer) is imported by the CLI on one process and by 2 ranks under torchrun. The
-imported model's logits equal the source model's bit for bit; the two imports hold the same
-tensors; the launcher continues the run directory (no `model=` given: the model comes from the
-checkpoint) on one rank and in tp 2, pp 2 and ep 2 layouts with the same step-1 loss and
-gradient norm; export -> import -> export reproduces tensors, index and config; malformed
-inputs are one-line errors that leave nothing behind."""
+MXFP4-packed routed experts dequantised by compressed-tensors, vision tensors, 3 shards, a tiktoken
+tokenizer) is imported by the CLI on one process and by 2 ranks under torchrun. The imported model's
+logits equal the source model's bit for bit; the two imports hold the same tensors; the launcher
+continues the run directory (no `model=` given: the model comes from the checkpoint) on one rank and
+in tp 2, pp 2, ep 2 and cp 2 layouts with the same step-1 loss and gradient norm; export -> import
+-> export reproduces tensors, index and config; malformed inputs are one-line errors that leave
+nothing behind."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ from train.export_hf import export_hf, load_model
 from train.import_hf import main as import_main
 
 TRAINING_KNOBS = ["model.kda_chunk_size=32", "model.loss_chunk_tokens=1024"]  # the debug preset's
-LAYOUTS = {"tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2"], "ep2": ["parallel.ep=2"]}
+LAYOUTS = {"tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2"], "ep2": ["parallel.ep=2"],
+           "cp2": ["parallel.cp=2"]}
 RUN = ["train.steps=1", "checkpoint.interval=100"]
 
 
