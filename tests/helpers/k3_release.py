@@ -41,7 +41,8 @@ VISION = {"vision_tower.patch_embed.proj.weight": (16, 3, 14, 14),
           "multi_modal_projector.linear_1.weight": (64, 64)}
 
 
-def _ct_dequantize(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def ct_dequantize(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' own unpacking of its mxfp4-pack-quantized format (bf16 -> float32)."""
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
@@ -52,7 +53,7 @@ def _ct_dequantize(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
                                                          scale_dtype=torch.uint8))
     compressor = BaseCompressor.get_value_from_registry("mxfp4-pack-quantized")
     return compressor.decompress({"weight_packed": packed, "weight_scale": scale},
-                                 scheme)["weight"].float()
+                                 scheme)["weight"]
 
 
 def as_release(model: K3Model, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -74,7 +75,7 @@ def as_release(model: K3Model, seed: int = 0) -> dict[str, torch.Tensor]:
         packed = torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=g)
         scale = torch.randint(118, 124, (rows, cols // 32), dtype=torch.uint8, generator=g)
         with torch.no_grad():
-            t.copy_(_ct_dequantize(packed, scale))  # a view of the stacked expert weight
+            t.copy_(ct_dequantize(packed, scale).float())  # a view of the stacked expert weight
         base = hf.removesuffix(".weight")
         out[f"{base}.weight_packed"], out[f"{base}.weight_scale"] = packed, scale
         out[f"{base}.weight_shape"] = torch.tensor([rows, cols])

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from model.ops.mxfp4 import MXFP4Error, dequantize_mxfp4
+from tests.helpers.k3_release import ct_dequantize
 
 
 def _e2m1(code: int) -> float:
@@ -67,21 +68,11 @@ def test_batched_experts_match_the_oracle():
 
 
 def test_equals_compressed_tensors_unpacking():
-    from compressed_tensors.compressors import BaseCompressor
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
-
-    scheme = QuantizationScheme(targets=["Linear"], format="mxfp4-pack-quantized",
-                                weights=QuantizationArgs(num_bits=4, type="float",
-                                                         strategy="group", group_size=32,
-                                                         symmetric=True,
-                                                         scale_dtype=torch.uint8))
-    compressor = BaseCompressor.get_value_from_registry("mxfp4-pack-quantized")
     g = torch.Generator().manual_seed(1)
     for rows, cols in ((64, 128), (3, 64), (48, 256)):
         packed = torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=g)
         scale = torch.randint(1, 255, (rows, cols // 32), dtype=torch.uint8, generator=g)
-        theirs = compressor.decompress({"weight_packed": packed, "weight_scale": scale},
-                                       scheme)["weight"]
+        theirs = ct_dequantize(packed, scale)
         ours = dequantize_mxfp4(packed, scale, theirs.dtype)
         assert theirs.shape == ours.shape == (rows, cols)
         assert torch.equal(ours.view(torch.int16), theirs.view(torch.int16)), (rows, cols)
