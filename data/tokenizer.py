@@ -248,19 +248,28 @@ def _token_text(tok) -> str | None:
     return tok.get("content") if isinstance(tok, dict) else tok
 
 
+def tokenizer_path(spec: str | Path) -> Path | None:
+    """What a tokenizer spec names: a folder holding tiktoken.model, a tokenizer file (a
+    folder's tokenizer.json), or None if neither exists."""
+    p = Path(spec)
+    if p.is_file() and p.name == TIKTOKEN_FILE:
+        return p.parent
+    if p.is_dir() and (p / TIKTOKEN_FILE).is_file():
+        return p
+    if p.is_dir() and (p / "tokenizer.json").is_file():
+        return p / "tokenizer.json"
+    return p if p.is_file() else None
+
+
 def load_tokenizer(spec: str | Path, eos_token: str | None = None) -> Tokenizer:
     """"byte", a path to a tokenizer.json, or a folder holding one or a tiktoken.model (K3's
     release); ValueError otherwise."""
     if str(spec) == "byte":
         return ByteTokenizer()
-    p = Path(spec)
-    if p.is_file() and p.name == TIKTOKEN_FILE:
-        p = p.parent
-    if p.is_dir() and (p / TIKTOKEN_FILE).is_file():
+    p = tokenizer_path(spec)
+    if p is not None and p.is_dir():
         return TiktokenTokenizer(p, eos_token=eos_token)
-    if p.is_dir() and (p / "tokenizer.json").is_file():
-        p = p / "tokenizer.json"
-    if not p.is_file():
+    if p is None:
         raise ValueError(f"tokenizer {str(spec)!r} is neither 'byte' nor an existing file; "
                          "use --tokenizer byte, a Hugging Face tokenizer.json or a folder with "
                          f"{TIKTOKEN_FILE}")

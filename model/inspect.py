@@ -76,7 +76,8 @@ def describe(name: str, overrides: dict[str, Any] | None = None) -> dict[str, An
     }
 
 
-def _parse_overrides(items: list[str]) -> dict[str, Any]:
+def parse_model_overrides(items: list[str]) -> dict[str, Any]:
+    """`field=value` (or `model.field=value`) items as ModelConfig fields, YAML values."""
     import yaml
 
     out = {}
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="model fields to change, YAML values (num_nextn_predict_layers=1)")
     args = ap.parse_args(argv)
     try:
-        info = describe(args.preset, _parse_overrides(args.overrides))
+        info = describe(args.preset, parse_model_overrides(args.overrides))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -121,15 +121,22 @@ def _writer(tmp: Path, step: int):
     return None
 
 
-def _one_line(e: BaseException) -> str:
-    """The root cause of a failed save, in one line (DCP wraps each rank's exception)."""
+def root_cause(e: BaseException) -> BaseException:
+    """The first rank's own exception inside DCP's CheckpointException (which wraps them)."""
     if isinstance(e, CheckpointException):
         for err in e.failures.values():
             inner = err[0] if isinstance(err, tuple) else err
             if isinstance(inner, BaseException):
-                return f"rank error: {_one_line(inner)}"
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"
+                return root_cause(inner)
+    return e
+
+
+def _one_line(e: BaseException) -> str:
+    """The root cause of a failed save, in one line."""
+    cause = root_cause(e)
+    text = str(cause).strip().splitlines()
+    line = f"{type(cause).__name__}: {text[0] if text else ''}"
+    return f"rank error: {line}" if cause is not e else line
 
 
 def published_steps(root: Path) -> list[int]:

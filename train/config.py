@@ -225,9 +225,9 @@ def validate_job(job: JobConfig, world_size: int, check_device: bool = True) -> 
     _need(d.dataset == "stdlib" or Path(d.dataset, "manifest.json").is_file(),
           f"data.dataset={d.dataset!r} has no manifest.json; prepare it with "
           "`python -m data.prepare <text files> --output <dir>` or use data.dataset=stdlib")
-    _need(d.tokenizer == "byte" or Path(d.tokenizer).is_file()
-          or (Path(d.tokenizer) / "tokenizer.json").is_file()
-          or (Path(d.tokenizer) / "tiktoken.model").is_file(),
+    from data.tokenizer import tokenizer_path
+
+    _need(d.tokenizer == "byte" or tokenizer_path(d.tokenizer) is not None,
           f"data.tokenizer={d.tokenizer!r} is neither 'byte' nor an existing tokenizer.json or "
           "folder with tokenizer.json or tiktoken.model")
     p = job.precision

@@ -50,14 +50,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import yaml
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.api import CheckpointException
 
 from model.config import ConfigError, ModelConfig
 from model.decoder import K3Model
+from model.inspect import parse_model_overrides
 from model.ops.mxfp4 import GROUP, MXFP4Error, dequantize_mxfp4
-from train.checkpoint import Checkpointer
+from train.checkpoint import Checkpointer, root_cause
 from train.export_hf import (
     _LINEAR,
     INDEX,
@@ -238,8 +238,8 @@ class _Source:
         self.parts.setdefault(expert, {})[kind] = (file, name)
 
 
-def plan_sources(folder: Path, cfg: ModelConfig, shards: _Shards
-                 ) -> tuple[dict[str, _Source], dict[str, int]]:
+def plan_sources(folder: Path, cfg: ModelConfig, meta: dict[str, torch.Tensor],
+                 shards: _Shards) -> tuple[dict[str, _Source], dict[str, int]]:
     """Our tensor name -> its source, after checking names and shapes against the model;
     and counts of what was skipped or dequantised."""
     L = cfg.num_hidden_layers
@@ -267,8 +267,7 @@ def plan_sources(folder: Path, cfg: ModelConfig, shards: _Shards
             raise ImportHFError(str(e)) from None
         sources.setdefault(layer_as_mtp(ours, L), _Source()).add(expert, kind, file, name)
         counts["tensors"] += 1
-    expected = {k: v for k, v in K3Model(cfg, device="meta").state_dict().items()
-                if k.rsplit(".", 1)[-1] not in SKIPPED}
+    expected = {k: v for k, v in meta.items() if k.rsplit(".", 1)[-1] not in SKIPPED}
     extra = sorted(set(sources) - set(expected))
     if extra:
         raise ImportHFError(f"tensor {extra[0]!r} ({len(extra)} such) has no place in the model "
@@ -358,8 +357,8 @@ def import_hf(folder: Path, output: Path, tokenizer: str | None = "auto",
     cfg, quant, skipped = model_config_from_release(config, ignore, overrides)
     tok_dir = _tokenizer_folder(folder, tokenizer, cfg)
     shards = _Shards(folder)
-    sources, counts = plan_sources(folder, cfg, shards)
-    meta = K3Model(cfg, device="meta").state_dict()
+    meta = K3Model(cfg, device="meta").state_dict()  # our names, shapes and dtypes
+    sources, counts = plan_sources(folder, cfg, meta, shards)
 
     def load(ours: str) -> torch.Tensor:
         if ours.rsplit(".", 1)[-1] in SKIPPED:  # Quantile-Balancing statistics start empty
@@ -411,30 +410,9 @@ def _tokenizer_folder(folder: Path, tokenizer: str | None, cfg: ModelConfig) -> 
     return path if path.is_dir() else path.parent
 
 
-def _cause(e: BaseException) -> BaseException:
-    """The first rank's own exception inside DCP's CheckpointException (a tensor that failed
-    to load while being written)."""
-    if isinstance(e, CheckpointException):
-        for err in e.failures.values():
-            inner = err[0] if isinstance(err, tuple) else err
-            if isinstance(inner, BaseException):
-                return _cause(inner)
-    return e
-
-
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return text[0] if text else type(e).__name__
-
-
-def _overrides(items: list[str]) -> dict[str, Any]:
-    out = {}
-    for item in items:
-        key, eq, value = item.partition("=")
-        if not eq or not key.startswith("model."):
-            raise ImportHFError(f"argument {item!r}: overrides are model.FIELD=VALUE")
-        out[key.removeprefix("model.")] = yaml.safe_load(value)
-    return out
 
 
 # ------------------------------------------------------------------------------- CLI
@@ -455,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     created = False
     try:
-        overrides = _overrides(args.overrides)
+        overrides = parse_model_overrides(args.overrides)
         out = args.output
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
             if not args.overwrite:
@@ -471,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
                             overrides, log=print if rank == 0 else lambda m: None)
     except (ImportHFError, ConfigError, OSError, ValueError, CheckpointException) as e:
         if rank == 0:
-            print(f"import_hf: error: {_first_line(_cause(e))}", file=sys.stderr)
+            print(f"import_hf: error: {_first_line(root_cause(e))}", file=sys.stderr)
             if created:
                 shutil.rmtree(args.output, ignore_errors=True)  # nothing half-written stays
         return 2

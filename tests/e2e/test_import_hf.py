@@ -5,9 +5,9 @@ MXFP4-packed routed experts dequantised by compressed-tensors, vision tensors, 3
 tokenizer) is imported by the CLI on one process and by 2 ranks under torchrun. The imported model's
 logits equal the source model's bit for bit; the two imports hold the same tensors; the launcher
 continues the run directory (no `model=` given: the model comes from the checkpoint) on one rank and
-in tp 2, pp 2, ep 2 and cp 2 layouts with the same step-1 loss and gradient norm; export -> import
--> export reproduces tensors, index and config; malformed inputs are one-line errors that leave
-nothing behind."""
+in tp 2, pp 2, ep 2 and cp 2 layouts with the same step-1 loss and gradient norm (fp64 verification
+mode) and the same parameters after it; export -> import -> export reproduces tensors, index and
+config; malformed inputs are one-line errors that leave nothing behind."""
 
 from __future__ import annotations
 
@@ -24,14 +24,21 @@ from safetensors.torch import load_file, save_file
 from data.tokenizer import load_tokenizer
 from model.build import build_model
 from tests.helpers.k3_release import write_release, write_tiktoken
-from tests.helpers.runs import ROOT, close, metrics, pretrain, pretrain_many
+from tests.helpers.runs import (
+    ROOT,
+    assert_parameters_equal,
+    close,
+    metrics,
+    pretrain,
+    pretrain_many,
+)
 from train.export_hf import export_hf, load_model
 from train.import_hf import main as import_main
 
 TRAINING_KNOBS = ["model.kda_chunk_size=32", "model.loss_chunk_tokens=1024"]  # the debug preset's
 LAYOUTS = {"tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2"], "ep2": ["parallel.ep=2"],
            "cp2": ["parallel.cp=2"]}
-RUN = ["train.steps=1", "checkpoint.interval=100"]
+RUN = ["train.steps=1", "checkpoint.interval=100", "cluster.param_dtype=fp64"]  # verification
 
 
 def _import_cli(*args, nproc: int = 1) -> subprocess.Popen:
@@ -100,8 +107,9 @@ def test_layouts_continue_from_the_import(runs, name):
     root = runs["root"]
     ref, got = metrics(root / "one_rank"), metrics(root / name)
     assert [m["step"] for m in got] == [1] and got[0]["sample_ids"] == ref[0]["sample_ids"]
-    assert close(got[0]["loss"], ref[0]["loss"], 1e-5), (got[0]["loss"], ref[0]["loss"])
-    assert close(got[0]["grad_norm"], ref[0]["grad_norm"], 1e-5)
+    assert close(got[0]["loss"], ref[0]["loss"], 1e-9), (got[0]["loss"], ref[0]["loss"])
+    assert close(got[0]["grad_norm"], ref[0]["grad_norm"], 1e-6)
+    assert len(assert_parameters_equal(root / "one_rank", root / name, 1)) > 50  # after step 1
     assert "initialised from the imported weights" in (root / f"{name}.stdout").read_text()
 
 
