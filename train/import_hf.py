@@ -13,11 +13,13 @@ are skipped and logged; any other unknown field is a one-line error (`--ignore-f
 accepts it). `quantization_config` must be compressed-tensors `mxfp4-pack-quantized` (K3's
 routed experts: E2M1 codes, one E8M0 scale per 32, `model.ops.mxfp4`) or absent.
 
-Reads the safetensors index and shards: every `language_model.*` tensor, renamed as
+Reads the safetensors index and shards through `train.release_reader.ReleaseReader` (torch
+DCP's `HuggingFaceStorageReader` in our names): every `language_model.*` tensor, renamed as
 `train.export_hf` names it (per-expert tensors stacked back into [E, out, in]); vision and
 projector tensors are skipped and counted; `<name>.weight_packed` + `weight_scale` pairs are
 dequantised exactly into float32. Every name and shape is checked against the model before
-anything is written.
+anything is written. (`release_reader.load_release` loads a release straight into a sharded
+model instead, each rank reading its own shard.)
 
 Writes `RUN_DIR/checkpoints/step-00000000/`, a model-only checkpoint (`Checkpointer.save_weights`,
 checksums included): the trainer loads it into any layout with a fresh optimizer, schedule and
@@ -26,7 +28,7 @@ data order, router biases from the checkpoint, Quantile-Balancing statistics emp
 `RUN_DIR/import.json` (what was read and skipped). On an error nothing stays behind.
 
 Streaming: DCP plans the save over meta tensors and `_LazyPlanner` reads (and dequantises) each
-tensor from its shard only when DCP writes it, so the peak memory is about the largest tensor
+tensor through the reader only when DCP writes it, so the peak memory is about the largest tensor
 (a stacked expert weight in float32), not the model; under torchrun DCP splits the tensors
 between the ranks and each reads only its own.
 
@@ -44,31 +46,20 @@ import resource
 import shutil
 import sys
 import time
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.api import CheckpointException
 
 from model.config import ConfigError, ModelConfig
-from model.decoder import K3Model
 from model.inspect import parse_model_overrides
-from model.ops.mxfp4 import GROUP, MXFP4Error, dequantize_mxfp4
+from model.ops.mxfp4 import GROUP
 from train.checkpoint import Checkpointer, root_cause
-from train.export_hf import (
-    _LINEAR,
-    INDEX,
-    SKIPPED,
-    ExportError,
-    _mtp_copies,
-    layer_as_mtp,
-    our_name,
-)
+from train.export_hf import _LINEAR
+from train.release_reader import ImportHFError, ReleaseReader, _first_line
 
-TEXT_PREFIX = "language_model."
 # config.json fields that change no weight of the text model
 IGNORED_TOP = ("architectures", "model_type", "torch_dtype", "dtype", "transformers_version",
                "auto_map", "vision_config", "media_placeholder_token_id", "image_token_index",
@@ -81,10 +72,6 @@ IGNORED_TEXT = ("model_type", "torch_dtype", "dtype", "architectures", "transfor
 FORMAT = "mxfp4-pack-quantized"
 TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json", "tokenizer.json",
                    "special_tokens_map.json")
-
-
-class ImportHFError(Exception):
-    """A user-facing problem with the checkpoint or the command; one line."""
 
 
 # ---------------------------------------------------------------------------- config
@@ -167,151 +154,6 @@ def check_quantization(quant: dict | None) -> None:
                                 f"num_bits 4, type float, group_size {GROUP} ({FORMAT})")
 
 
-# --------------------------------------------------------------------------- tensors
-class _Shards:
-    """Tensors of the checkpoint's safetensors files: shapes from their headers, data read on
-    demand (at most `keep` files open: safetensors maps each file)."""
-
-    def __init__(self, folder: Path, keep: int = 4) -> None:
-        self.folder, self.keep = folder, keep
-        self._open: OrderedDict[str, Any] = OrderedDict()
-
-    def handle(self, file: str):
-        from safetensors import safe_open
-
-        if file not in self._open:
-            path = self.folder / file
-            if not path.is_file():
-                raise ImportHFError(f"{path} is missing (named by {INDEX})")
-            try:
-                self._open[file] = safe_open(str(path), framework="pt")
-            except Exception as e:  # safetensors raises its own error types
-                raise ImportHFError(f"{path} is not a safetensors file ({_first_line(e)})"
-                                    ) from None
-            while len(self._open) > self.keep:
-                self._open.popitem(last=False)
-        self._open.move_to_end(file)
-        return self._open[file]
-
-    def scan(self, files: list[str]) -> None:
-        """Read the shapes of every tensor of `files` (each header once)."""
-        self._shapes: dict[tuple[str, str], list[int]] = {}
-        for file in dict.fromkeys(files):
-            f = self.handle(file)
-            for name in f.keys():
-                self._shapes[file, name] = list(f.get_slice(name).get_shape())
-
-    def shape(self, file: str, name: str) -> list[int]:
-        if (file, name) not in self._shapes:
-            raise ImportHFError(f"{self.folder / file} has no tensor {name!r} ({INDEX} says it "
-                                "does)")
-        return self._shapes[file, name]
-
-    def read(self, file: str, name: str) -> torch.Tensor:
-        return self.handle(file).get_tensor(name)
-
-    def names(self, file: str) -> list[str]:
-        return list(self.handle(file).keys())
-
-
-def _weight_map(folder: Path, shards: _Shards) -> dict[str, str]:
-    index = folder / INDEX
-    if index.is_file():
-        try:
-            return json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError):
-            raise ImportHFError(f"{index} is not a safetensors index (needs weight_map)"
-                                ) from None
-    if (folder / "model.safetensors").is_file():
-        return dict.fromkeys(shards.names("model.safetensors"), "model.safetensors")
-    raise ImportHFError(f"{folder} has neither {INDEX} nor model.safetensors")
-
-
-@dataclasses.dataclass
-class _Source:
-    """Where one of our tensors comes from: per expert (or one entry), {kind: (file, name)}
-    with kind "plain", or "packed" + "scale" (MXFP4)."""
-
-    parts: dict[int | None, dict[str, tuple[str, str]]] = dataclasses.field(default_factory=dict)
-
-    def add(self, expert: int | None, kind: str, file: str, name: str) -> None:
-        self.parts.setdefault(expert, {})[kind] = (file, name)
-
-
-def plan_sources(folder: Path, cfg: ModelConfig, meta: dict[str, torch.Tensor],
-                 shards: _Shards) -> tuple[dict[str, _Source], dict[str, int]]:
-    """Our tensor name -> its source, after checking names and shapes against the model;
-    and counts of what was skipped or dequantised."""
-    L = cfg.num_hidden_layers
-    copies = _mtp_copies(L)
-    counts = {"tensors": 0, "skipped_vision": 0, "skipped_mtp_copies": 0, "mxfp4": 0}
-    sources: dict[str, _Source] = {}
-    weight_map = _weight_map(folder, shards)
-    shards.scan(list(weight_map.values()))
-    for name, file in weight_map.items():
-        if not name.startswith(TEXT_PREFIX):
-            counts["skipped_vision"] += 1
-            continue
-        if name in copies:
-            counts["skipped_mtp_copies"] += 1
-            continue
-        base, kind = name, "plain"
-        for suffix, k in (("_packed", "packed"), ("_scale", "scale"), ("_shape", "shape")):
-            if name.endswith(".weight" + suffix):
-                base, kind = name.removesuffix(suffix), k
-        if kind == "shape":  # compressed-tensors' logical shape; checked through the scale
-            continue
-        try:
-            ours, expert = our_name(base)
-        except ExportError as e:
-            raise ImportHFError(str(e)) from None
-        sources.setdefault(layer_as_mtp(ours, L), _Source()).add(expert, kind, file, name)
-        counts["tensors"] += 1
-    expected = {k: v for k, v in meta.items() if k.rsplit(".", 1)[-1] not in SKIPPED}
-    extra = sorted(set(sources) - set(expected))
-    if extra:
-        raise ImportHFError(f"tensor {extra[0]!r} ({len(extra)} such) has no place in the model "
-                            "config.json describes; is the checkpoint another model?")
-    missing = sorted(set(expected) - set(sources))
-    if missing:
-        raise ImportHFError(f"the checkpoint lacks {missing[0]!r} ({len(missing)} missing "
-                            "tensors); is a shard or an MTP layer missing?")
-    for ours, src in sources.items():
-        counts["mxfp4"] += _check_shapes(ours, src, list(expected[ours].shape), shards)
-    return sources, counts
-
-
-def _check_shapes(ours: str, src: _Source, shape: list[int], shards: _Shards) -> int:
-    """Raise on a shape that does not fit; return how many MXFP4 tensors it holds."""
-    experts = sorted(e for e in src.parts if e is not None)
-    if experts:
-        if experts != list(range(shape[0])) or None in src.parts:
-            raise ImportHFError(f"{ours}: the checkpoint has experts {experts[:3]}.. "
-                                f"({len(experts)}), the model {shape[0]}")
-        shape = shape[1:]
-    n_mx = 0
-    for part in src.parts.values():
-        if "plain" in part:
-            file, name = part["plain"]
-            got = shards.shape(file, name)
-            if got != shape:
-                raise ImportHFError(f"{name} has shape {got}, the model needs {shape} ({ours})")
-            continue
-        if set(part) != {"packed", "scale"}:
-            name = next(iter(part.values()))[1]
-            raise ImportHFError(f"{name}: an MXFP4 weight needs both weight_packed and "
-                                "weight_scale")
-        want = {"packed": [*shape[:-1], shape[-1] // 2],
-                "scale": [*shape[:-1], shape[-1] // GROUP]}
-        for kind, (file, name) in part.items():
-            got = shards.shape(file, name)
-            if got != want[kind] or shape[-1] % GROUP:
-                raise ImportHFError(f"{name} has shape {got}, the model's {shape} needs "
-                                    f"{want[kind]} ({ours})")
-        n_mx += 1
-    return n_mx
-
-
 class _LazyPlanner(DefaultSavePlanner):
     """Plans over meta tensors; hands DCP each real tensor only when it writes it."""
 
@@ -321,24 +163,6 @@ class _LazyPlanner(DefaultSavePlanner):
 
     def lookup_object(self, index):
         return self._load(index.fqn.removeprefix("model."))
-
-
-def _materialise(src: _Source, meta: torch.Tensor, shards: _Shards) -> torch.Tensor:
-    def one(part: dict[str, tuple[str, str]]) -> torch.Tensor:
-        if "plain" in part:
-            return shards.read(*part["plain"]).to(meta.dtype)
-        try:
-            return dequantize_mxfp4(shards.read(*part["packed"]), shards.read(*part["scale"]),
-                                    meta.dtype)
-        except MXFP4Error as e:
-            raise ImportHFError(f"{part['packed'][1]}: {e}") from None
-
-    if None in src.parts:
-        return one(src.parts[None]).contiguous()
-    out = torch.empty(meta.shape, dtype=meta.dtype)
-    for e, part in src.parts.items():
-        out[e].copy_(one(part))
-    return out
 
 
 # ---------------------------------------------------------------------------- import
@@ -356,14 +180,9 @@ def import_hf(folder: Path, output: Path, tokenizer: str | None = "auto",
                             ) from None
     cfg, quant, skipped = model_config_from_release(config, ignore, overrides)
     tok_dir = _tokenizer_folder(folder, tokenizer, cfg)
-    shards = _Shards(folder)
-    meta = K3Model(cfg, device="meta").state_dict()  # our names, shapes and dtypes
-    sources, counts = plan_sources(folder, cfg, meta, shards)
-
-    def load(ours: str) -> torch.Tensor:
-        if ours.rsplit(".", 1)[-1] in SKIPPED:  # Quantile-Balancing statistics start empty
-            return torch.zeros(meta[ours].shape, dtype=meta[ours].dtype)
-        return _materialise(sources[ours], meta[ours], shards)
+    reader = ReleaseReader(folder, cfg)
+    reader.read_metadata()  # checks every name and shape before anything is written
+    meta, counts = reader.meta, reader.counts
 
     summary = {"source": str(folder.resolve()), "model_config": cfg.to_dict(),
                "skipped_fields": skipped, **counts,
@@ -372,7 +191,7 @@ def import_hf(folder: Path, output: Path, tokenizer: str | None = "auto",
     rank = dist.get_rank()
     Checkpointer(output / "checkpoints", keep=1, rank=rank).save_weights(
         0, meta, {"model_config": cfg.to_dict(), "source": str(folder.resolve()),
-                  "tokens_seen": 0}, planner=_LazyPlanner(load))
+                  "tokens_seen": 0}, planner=_LazyPlanner(reader.read_slice))
     summary["seconds"] = round(time.perf_counter() - t0, 2)
     summary["peak_rss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
                                     3)
@@ -408,11 +227,6 @@ def _tokenizer_folder(folder: Path, tokenizer: str | None, cfg: ModelConfig) -> 
                             f"vocab_size is {cfg.vocab_size}; pass the checkpoint's own "
                             "tokenizer (or --tokenizer none)")
     return path if path.is_dir() else path.parent
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__
 
 
 # ------------------------------------------------------------------------------- CLI
