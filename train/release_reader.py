@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections import OrderedDict
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +36,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
+from torch.futures import Future
 
 from model.config import ModelConfig
 from model.decoder import K3Model
@@ -81,6 +81,7 @@ class ReleaseReader(HuggingFaceStorageReader or object):  # type: ignore[misc]
         self.counts: dict[str, int] = {}
         self._ours: Metadata | None = None
         self._open: OrderedDict[str, Any] = OrderedDict()
+        self.bytes_read = 0  # from the safetensors files, as stored (bf16, packed codes)
 
     # ----------------------------------------------------------------------- metadata
     def read_metadata(self) -> Metadata:
@@ -201,12 +202,16 @@ class ReleaseReader(HuggingFaceStorageReader or object):  # type: ignore[misc]
                 self._open.popitem(last=False)
         self._open.move_to_end(file)
         f = self._open[file]
-        return f.get_slice(name)[tuple(slices)] if slices else f.get_tensor(name)
+        t = f.get_slice(name)[tuple(slices)] if slices else f.get_tensor(name)
+        self.bytes_read += t.nbytes
+        return t
 
 
-def load_release(model: torch.nn.Module, folder: str | Path, cfg: ModelConfig) -> None:
+def load_release(model: torch.nn.Module, folder: str | Path, cfg: ModelConfig
+                 ) -> ReleaseReader:
     """Load the release into `model` in place, whatever its layout (FSDP, TP, EP DTensors or a
-    pipeline stage's part): every rank calls; each reads only its own shards."""
+    pipeline stage's part): every rank calls; each reads only its own shards. Returns the
+    reader (`bytes_read`: what this rank read)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -215,8 +220,10 @@ def load_release(model: torch.nn.Module, folder: str | Path, cfg: ModelConfig) -
     )
 
     state = get_model_state_dict(model)
-    dcp.load(state, storage_reader=ReleaseReader(folder, cfg))
+    reader = ReleaseReader(folder, cfg)
+    dcp.load(state, storage_reader=reader)
     set_model_state_dict(model, state, options=StateDictOptions(strict=True))
+    return reader
 
 
 # ------------------------------------------------------------------ names and shapes
