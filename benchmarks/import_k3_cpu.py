@@ -92,6 +92,8 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=None, help="default: a temporary folder")
     ap.add_argument("--keep", action="store_true", help="keep the release and the run")
     args = ap.parse_args()
+    if args.workdir:
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(dir=args.workdir))
     try:
         t0 = time.perf_counter()

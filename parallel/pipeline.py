@@ -157,7 +157,8 @@ def stage_io_meta(cfg: ModelConfig, splits: list[list[int]], stage: int, micro_b
     first, last = splits[stage][0], splits[stage][-1] + 1
     inputs = ((torch.empty(micro_batch, seq_len, dtype=torch.long, device="meta"),)
               if stage == 0 else state(first))
-    outputs = ((torch.empty((), dtype=torch.float32, device="meta", requires_grad=True),)
+    loss_dtype = torch.promote_types(dtype, torch.float32)  # `model.loss`: fp32 or wider sums
+    outputs = ((torch.empty((), dtype=loss_dtype, device="meta", requires_grad=True),)
                if stage == len(splits) - 1 else state(last))
     return inputs, outputs
 

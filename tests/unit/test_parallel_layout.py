@@ -92,6 +92,10 @@ def test_attnres_state_grows_one_snapshot_per_block():
     assert outs[1].shape == (2, 2, 32, 64)  # + block of layers 0-2 (started by layer 3)
     ins, outs = stage_io_meta(cfg, splits, 3, 2, 64, 2, torch.float32)
     assert ins[1].shape[0] == 2 and outs[0].shape == ()  # last stage returns the loss
+    # the loss sum is fp32 under bf16 activations and fp64 in verification mode (torch 2.11's
+    # pipelining checks the declared dtype)
+    for act, loss in ((torch.bfloat16, torch.float32), (torch.float64, torch.float64)):
+        assert stage_io_meta(cfg, splits, 3, 2, 64, 2, act)[1][0].dtype == loss
 
 
 def test_expert_parallel_borrows_tp_ranks():
