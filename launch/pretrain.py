@@ -6,7 +6,8 @@ same command again resumes from the latest intact checkpoint in the run director
 worker group that torchrun restarts (`--max-restarts=K`) after a rank dies. A bad config
 prints one line naming the field and the fix, exits with code 2 and writes nothing. With no
 `model=`, `model.*` or `+recipe=` override, a run directory holding checkpoints (an import by
-`train.import_hf`, say) trains the model they hold.
+`train.import_hf`, say) trains the model they hold. `checkpoint.init_from=<HF dir>` starts a new
+run from a release's weights and config.json (`model.FIELD=V` on top).
 Extra flag: `--print-config` prints the resolved config and exits.
 """
 
@@ -57,7 +58,9 @@ def load_job(overrides: list[str], world_size: int, check_device: bool = True) -
         raise ConfigError(_one_line(e)) from None
     if job.run.name is None:
         job.run.name = f"k3-{model_choice}"
-    if not any(o.lstrip("+~").startswith(MODEL_CHOICES) for o in overrides):
+    if job.checkpoint.init_from:  # also once the run has checkpoints: the same model
+        _model_from_release(job, overrides)
+    elif not any(o.lstrip("+~").startswith(MODEL_CHOICES) for o in overrides):
         _model_from_run_dir(job)
     return validate_job(job, world_size, check_device)
 
@@ -76,6 +79,30 @@ def _model_from_run_dir(job: JobConfig) -> None:
     state = newest_train_state(job.run_dir)
     if state is not None and "model_config" in state:
         job.model = ModelConfig.from_dict(state["model_config"])
+
+
+def _model_from_release(job: JobConfig, overrides: list[str]) -> None:
+    """checkpoint.init_from: the model is the release's config.json, with the command line's
+    model.FIELD=V (fields that change no weight, such as kda_chunk_size) on top."""
+    import json
+
+    from model.inspect import parse_model_overrides
+    from train.import_hf import ImportHFError, model_config_from_release
+
+    folder = Path(job.checkpoint.init_from)
+    if any(o.lstrip("+~").startswith("model=") for o in overrides):
+        raise ConfigError("checkpoint.init_from takes the model from its config.json; drop "
+                          "model=... (model.FIELD=VALUE still sets fields that change no weight)")
+    try:
+        config = json.loads((folder / "config.json").read_text())
+        fields = parse_model_overrides([o for o in overrides if o.startswith("model.")])
+        job.model = model_config_from_release(config, overrides=fields)[0]
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"checkpoint.init_from={str(folder)!r}: {folder / 'config.json'} "
+                          f"cannot be read ({' '.join(str(e).split())})") from None
+    except ImportHFError as e:
+        raise ConfigError(f"checkpoint.init_from={str(folder)!r}: {e} (or import it first with "
+                          "python -m train.import_hf)") from None
 
 
 def main(argv: list[str]) -> int:

@@ -129,6 +129,10 @@ class CheckpointConfig:
     # write in a background thread while training goes on; None: on CUDA only
     async_save: bool | None = None
     resume: bool = True  # resume from the latest complete checkpoint in the run directory
+    # a Hugging Face checkpoint folder (K3's release, our export): with no checkpoint in the run
+    # directory yet, the model (config.json's, model.FIELD=V on top) starts from its weights, read
+    # straight into this layout (train.release_reader), with a fresh optimizer and schedule
+    init_from: str | None = None
 
 
 @dataclass

@@ -146,11 +146,27 @@ def check_same_model(job: JobConfig) -> None:
                           f"or optim={optim}")
 
 
+def check_release(job: JobConfig) -> None:
+    """checkpoint.init_from on a new run: every tensor's name and shape fits the model (the
+    safetensors headers only)."""
+    from train.release_reader import ImportHFError, ReleaseReader
+
+    fresh = not (job.checkpoint.enabled and job.checkpoint.resume) \
+        or newest_train_state(job.run_dir) is None
+    if not job.checkpoint.init_from or not fresh:
+        return
+    try:
+        ReleaseReader(job.checkpoint.init_from, job.model).read_metadata()
+    except ImportHFError as e:
+        raise ConfigError(f"checkpoint.init_from={job.checkpoint.init_from!r}: {e}") from None
+
+
 def preflight(job: JobConfig, world_size: int) -> None:
     """Every input check that needs files; raises ConfigError (one line)."""
     from parallel.dims import ParallelDims
 
     check_same_model(job)
+    check_release(job)
     dp = ParallelDims.from_config(job.parallel, world_size).dp
     build_loader(job, 0, dp)
     build_val_loader(job, 0, dp)

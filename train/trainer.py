@@ -54,6 +54,7 @@ from train.optim import build_optimizer, build_scheduler
 from train.preflight import build_loader, build_val_loader, check_same_model, describe_data
 from train.profiling import StepProfiler, format_summary
 from train.qk_clip import qk_clip, qk_clip_metrics, reset_logits, track_logits
+from train.release_reader import load_release
 from train.stragglers import ComputeClock, StragglerDetector, gather_seconds
 
 
@@ -106,6 +107,12 @@ def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
                   + (f" (torchrun restart {restart})" if restart else ""), flush=True)
             if loader.resume_note:
                 print(loader.resume_note, flush=True)
+    elif job.checkpoint.init_from:  # a new run from a release: this rank reads its own slices
+        reader = load_release(model, job.checkpoint.init_from, job.model)
+        if env.is_main:
+            print(f"initialised from the release {job.checkpoint.init_from} (rank 0 read "
+                  f"{reader.bytes_read / 2**30:.2f} GiB): fresh optimizer, schedule and data "
+                  "order", flush=True)
 
     injections = Injections(job.debug, env.rank, env.world_size)
     validator = Validator(val_loader, job.eval.batches) if val_loader is not None else None

@@ -6,7 +6,8 @@ tokenizer) is imported by the CLI on one process and by 2 ranks under torchrun. 
 logits equal the source model's bit for bit; the two imports hold the same tensors; the launcher
 continues the run directory (no `model=` given: the model comes from the checkpoint) on one rank and
 in tp 2, pp 2, ep 2 and cp 2 layouts with the same step-1 loss and gradient norm (fp64 verification
-mode) and the same parameters after it; export -> import -> export reproduces tensors, index and
+mode) and the same parameters after it, and so do tp 2 and pp 2 runs started from the release itself
+(`checkpoint.init_from`, no import); export -> import -> export reproduces tensors, index and
 config; malformed inputs are one-line errors that leave nothing behind."""
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from data.tokenizer import load_tokenizer
 from model.build import build_model
 from tests.helpers.k3_release import write_release, write_tiktoken
 from tests.helpers.runs import (
+    FAST,
     ROOT,
     assert_parameters_equal,
     close,
@@ -38,6 +40,7 @@ from train.import_hf import main as import_main
 TRAINING_KNOBS = ["model.kda_chunk_size=32", "model.loss_chunk_tokens=1024"]  # the debug preset's
 LAYOUTS = {"tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2"], "ep2": ["parallel.ep=2"],
            "cp2": ["parallel.cp=2"]}
+FROM_RELEASE = ("tp2", "pp2")  # checkpoint.init_from: no import, each rank reads its slices
 RUN = ["train.steps=1", "checkpoint.interval=100", "cluster.param_dtype=fp64"]  # verification
 
 
@@ -63,7 +66,10 @@ def runs(tmp_path_factory):
     for name in ("one_rank", *LAYOUTS):
         shutil.copytree(root / "run", root / name)
     pretrain(root / "one_rank", *RUN)
-    pretrain_many([(root / n, [*RUN, *extra]) for n, extra in LAYOUTS.items()], nproc=2)
+    straight = [(root / f"release_{n}", [*RUN, *LAYOUTS[n], f"checkpoint.init_from={release}",
+                                         *TRAINING_KNOBS]) for n in FROM_RELEASE]
+    pretrain_many([(root / n, [*RUN, *extra]) for n, extra in LAYOUTS.items()] + straight,
+                  nproc=2)
     return {"root": root, "source": source, "release": release, "cli": done}
 
 
@@ -111,6 +117,17 @@ def test_layouts_continue_from_the_import(runs, name):
     assert close(got[0]["grad_norm"], ref[0]["grad_norm"], 1e-6)
     assert len(assert_parameters_equal(root / "one_rank", root / name, 1)) > 50  # after step 1
     assert "initialised from the imported weights" in (root / f"{name}.stdout").read_text()
+
+
+@pytest.mark.parametrize("name", FROM_RELEASE)
+def test_layouts_start_from_the_release_directly(runs, name):
+    root = runs["root"]
+    ref, got = metrics(root / "one_rank"), metrics(root / f"release_{name}")
+    assert got[0]["sample_ids"] == ref[0]["sample_ids"]
+    assert close(got[0]["loss"], ref[0]["loss"], 1e-9), (got[0]["loss"], ref[0]["loss"])
+    assert close(got[0]["grad_norm"], ref[0]["grad_norm"], 1e-6)
+    assert len(assert_parameters_equal(root / "one_rank", root / f"release_{name}", 1)) > 50
+    assert "initialised from the release" in (root / f"release_{name}.stdout").read_text()
 
 
 def test_export_import_export_round_trip(runs, tmp_path):
@@ -165,6 +182,29 @@ def test_malformed_inputs_are_one_line_errors(runs, tmp_path, capsys, case, word
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("import_hf: error: ") and words in err, err
     assert not out.exists()  # nothing half-written stays
+
+
+@pytest.mark.parametrize("case, words", [
+    ("missing_shard", "model-00002-of-00003.safetensors is missing"),
+    ("wrong_shape", "language_model.model.norm.weight has shape [65]"),
+    ("unknown_field", "text_config.sliding_window"),
+])
+def test_a_bad_release_to_start_from_is_one_line(runs, tmp_path, capsys, monkeypatch, case,
+                                                 words):
+    from launch.pretrain import main as pretrain_main
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the launcher accepted this release and went on to train")
+
+    monkeypatch.setattr("train.distributed.init_distributed", refuse)
+    bad = _break(runs["release"], tmp_path, case)
+    run_dir = tmp_path / "run"
+    argv = ["+cluster=local_cpu", *FAST, f"run.dir={run_dir}", f"checkpoint.init_from={bad}"]
+    assert pretrain_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: checkpoint.init_from=") \
+        and words in err, err
+    assert not run_dir.exists()
 
 
 def test_an_ignored_field_is_accepted_and_logged(runs, tmp_path, capsys):

@@ -57,6 +57,8 @@ CONFIGS = [  # (overrides, what the line must name)
     (["data.tokenizer=/nonexistent/tokenizer.json"], "data.tokenizer"),
     (["data.dataset=/nonexistent/dir"], "data.dataset"),
     (["run.dir=/dev/null/run"], "run.dir"),
+    (["checkpoint.init_from=/nonexistent/k3"], "checkpoint.init_from"),
+    (["checkpoint.init_from=/nonexistent/k3", "model=debug"], "checkpoint.init_from"),
 ]
 
 
