@@ -1,9 +1,9 @@
 """Context parallelism (`parallel.cp`) through the real launcher, fp64 verification mode: cp 2 and
-cp 4, and cp 2 with tp 2, pp 2 and ep 2, give the same per-step losses, gradient norms, clipped
-heads (QK-Clip at tau 2: the Ulysses logit bounds gathered back to every head), MTP losses (the
-next-token embeddings of each shard taken from the whole rows), validation losses and parameters
-as one rank, on a corpus of short documents (3-60 bytes) so that documents start inside cp
-shards, exactly at their edges, and cross them; cp 2's step-2 checkpoint resumes on one rank
+cp 4, and cp 2 with tp 2, pp 2, ep 2 and dp_replicate 2, give the same per-step losses, gradient
+norms, clipped heads (QK-Clip at tau 2: the Ulysses logit bounds gathered back to every head), MTP
+losses (the next-token embeddings of each shard taken from the whole rows), validation losses and
+parameters as one rank, on a corpus of short documents (3-60 bytes) so that documents start inside
+cp shards, exactly at their edges, and cross them; cp 2's step-2 checkpoint resumes on one rank
 with the same losses and parameters."""
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ LAYOUTS = {
     "cp2_pp2": (["parallel.cp=2", "parallel.pp=2"], 4),
     # experts over ep 2 inside dp_shard 2 x cp 2 (ep borrows a cp rank)
     "cp2_ep2": (["parallel.cp=2", "parallel.dp_shard=2", "parallel.ep=2"], 4),
+    # HSDP: two replicas of a cp 2 group (gradients all-reduced across the replicas)
+    "cp2_hsdp2": (["parallel.cp=2", "parallel.dp_replicate=2"], 4),
 }
 
 
