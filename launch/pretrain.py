@@ -101,8 +101,9 @@ def _model_from_release(job: JobConfig, overrides: list[str]) -> None:
         raise ConfigError(f"checkpoint.init_from={str(folder)!r}: {folder / 'config.json'} "
                           f"cannot be read ({' '.join(str(e).split())})") from None
     except ImportHFError as e:
-        raise ConfigError(f"checkpoint.init_from={str(folder)!r}: {e} (or import it first with "
-                          "python -m train.import_hf)") from None
+        hint = (" (a flag of python -m train.import_hf: import the release with it, then "
+                "run.dir=<the import>)") if "--ignore-field" in str(e) else ""
+        raise ConfigError(f"checkpoint.init_from={str(folder)!r}: {e}{hint}") from None
 
 
 def main(argv: list[str]) -> int:
