@@ -187,6 +187,22 @@ def _need(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+def torch_version() -> tuple[int, int]:
+    import torch
+
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def zbv_self_send_fails(parallel: ParallelConfig, backend: str, version: tuple[int, int]
+                        ) -> bool:
+    """torch < 2.13 warms a pipeline up with a send from each stage to the next, and
+    ZBVZeroBubble's V puts stages pp - 1 and pp on the last rank: a send to itself, which gloo
+    refuses ("Pair is not connected"; NCCL allows it); 2.13's warm-up is a vote instead."""
+    return (parallel.pp > 1 and parallel.pp_schedule == "ZBVZeroBubble" and backend == "gloo"
+            and version < (2, 13))
+
+
 def validate_job(job: JobConfig, world_size: int, check_device: bool = True) -> JobConfig:
     """All cross-field checks; mutates nothing but resolves `parallel.dp_shard=-1`.
     `check_device=False` (the dry run) accepts a CUDA cluster on a machine without one."""
@@ -211,6 +227,11 @@ def validate_job(job: JobConfig, world_size: int, check_device: bool = True) -> 
         _need(torch.cuda.is_available(),
               "cluster.device=cuda but no CUDA device is visible; use +cluster=local_cpu")
     dims = ParallelDims.from_config(job.parallel, world_size)
+    _need(not zbv_self_send_fails(job.parallel, c.backend, torch_version()),
+          "parallel.pp_schedule=ZBVZeroBubble on gloo needs torch>=2.13 (torch "
+          f"{'.'.join(map(str, torch_version()))} warms the pipeline up with a send between the "
+          "two stages a rank holds, and gloo cannot send to its own rank); use "
+          "parallel.pp_schedule=Interleaved1F1B, NCCL, or a newer torch")
     job.parallel.dp_shard = dims.dp_shard
     dp = dims.dp
     dims.validate_model(job.model, seq_len=d.seq_len,

@@ -50,6 +50,13 @@ E4M3_NAN = 0x7F
 MODES = ("rceil", "floor")
 
 
+def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t.to(dtype)`, but `t` itself when it already has that dtype: under torch 2.11's dynamo an
+    autograd.Function whose forward returns a no-op `.to` of an intermediate gets zero
+    gradients (`tests/unit/test_mx.py::test_mx_gemms_compile_like_eager` on 2.11)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def _check_mode(mode: str) -> None:
     if mode not in MODES:
         raise ValueError(f"unknown MX scale mode {mode!r}; expected one of {MODES}")
@@ -185,7 +192,7 @@ def mx_dequantize(
     s = torch.where(s_bytes == E8M0_NAN, float("nan"), s).movedim(dim, -1)  # [..., B]
     d = data.movedim(dim, -1).to(compute)  # [..., n] (fp8 is storage-only: upcast first)
     db = d.reshape(*d.shape[:-1], s.shape[-1], block_size) * s.unsqueeze(-1)  # [..., B, 32]
-    return db.reshape(d.shape).movedim(-1, dim).to(dtype)
+    return as_dtype(db.reshape(d.shape).movedim(-1, dim), dtype)
 
 
 def _fake_quantize(x: torch.Tensor, block_size: int, dim: int, mode: str) -> torch.Tensor:

@@ -36,7 +36,7 @@ import torch
 from model.ops import mx_native
 from model.ops.backends import compile_constant
 from model.ops.grouped_gemm import grouped_mm, grouped_mm_backend, grouped_mm_wgrad
-from model.ops.mx import BLOCK_SIZE, MODES, fake_quantize_mx, pad_to_block
+from model.ops.mx import BLOCK_SIZE, MODES, as_dtype, fake_quantize_mx, pad_to_block
 from model.ops.token_groups import TokenGroups
 
 log = logging.getLogger("k3train.mx")
@@ -165,7 +165,8 @@ class _MXLinear(torch.autograd.Function):
         ctx.save_for_backward(x2, w)
         ctx.wgrad_hp, ctx.mode = wgrad_hp, mode
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
-        return y.reshape(*x.shape[:-1], w.shape[0]).to(torch.promote_types(x.dtype, weight.dtype))
+        return as_dtype(y.reshape(*x.shape[:-1], w.shape[0]),
+                        torch.promote_types(x.dtype, weight.dtype))
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
@@ -230,7 +231,7 @@ class _MXGroupedMM(torch.autograd.Function):
         ctx.save_for_backward(xc, wc, group_sizes)
         ctx.wgrad_hp, ctx.mode, ctx.native = wgrad_hp, mode, native
         ctx.x_dtype, ctx.w_dtype = x.dtype, w.dtype
-        return y.to(torch.promote_types(x.dtype, w.dtype))
+        return as_dtype(y, torch.promote_types(x.dtype, w.dtype))
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):

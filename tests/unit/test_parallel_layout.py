@@ -137,3 +137,14 @@ def test_dry_run_experts_are_not_replicated_over_tp():
                                    ["--world", "4", "parallel.tp=2", "parallel.ep=4"])
     experts_replicated = replicated["local_params"] - spread["local_dense_params"]
     assert experts_replicated == 2 * spread["local_expert_params"] > 0
+
+
+def test_zbv_on_gloo_needs_a_torch_whose_warm_up_does_not_send_to_itself():
+    from train.config import ParallelConfig, zbv_self_send_fails
+
+    zbv = ParallelConfig(pp=2, pp_schedule="ZBVZeroBubble", pp_virtual_stages=2)
+    assert zbv_self_send_fails(zbv, "gloo", (2, 11)) and zbv_self_send_fails(zbv, "gloo", (2, 12))
+    assert not zbv_self_send_fails(zbv, "gloo", (2, 13))
+    assert not zbv_self_send_fails(zbv, "nccl", (2, 11))  # NCCL sends to its own rank
+    interleaved = ParallelConfig(pp=2, pp_schedule="Interleaved1F1B", pp_virtual_stages=2)
+    assert not zbv_self_send_fails(interleaved, "gloo", (2, 11))
