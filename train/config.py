@@ -194,13 +194,15 @@ def torch_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def zbv_self_send_fails(parallel: ParallelConfig, backend: str, version: tuple[int, int]
-                        ) -> bool:
-    """torch < 2.13 warms a pipeline up with a send from each stage to the next, and
-    ZBVZeroBubble's V puts stages pp - 1 and pp on the last rank: a send to itself, which gloo
-    refuses ("Pair is not connected"; NCCL allows it); 2.13's warm-up is a vote instead."""
-    return (parallel.pp > 1 and parallel.pp_schedule == "ZBVZeroBubble" and backend == "gloo"
-            and version < (2, 13))
+ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble")
+
+
+def zero_bubble_unsupported(parallel: ParallelConfig, version: tuple[int, int]) -> bool:
+    """The zero-bubble schedules split each backward into input and weight parts, and torch <
+    2.13 cannot run either part through a Python autograd.Function (ours: the chunked loss, the
+    MX GEMMs, the fused ops; "Attribute '_input_metadata' is invalid"), and its ZBV warm-up
+    sends to its own rank, which gloo refuses. Measured on 2.11; 2.13 runs both."""
+    return parallel.pp > 1 and parallel.pp_schedule in ZERO_BUBBLE and version < (2, 13)
 
 
 def validate_job(job: JobConfig, world_size: int, check_device: bool = True) -> JobConfig:
@@ -227,11 +229,10 @@ def validate_job(job: JobConfig, world_size: int, check_device: bool = True) -> 
         _need(torch.cuda.is_available(),
               "cluster.device=cuda but no CUDA device is visible; use +cluster=local_cpu")
     dims = ParallelDims.from_config(job.parallel, world_size)
-    _need(not zbv_self_send_fails(job.parallel, c.backend, torch_version()),
-          "parallel.pp_schedule=ZBVZeroBubble on gloo needs torch>=2.13 (torch "
-          f"{'.'.join(map(str, torch_version()))} warms the pipeline up with a send between the "
-          "two stages a rank holds, and gloo cannot send to its own rank); use "
-          "parallel.pp_schedule=Interleaved1F1B, NCCL, or a newer torch")
+    _need(not zero_bubble_unsupported(job.parallel, torch_version()),
+          f"parallel.pp_schedule={job.parallel.pp_schedule} needs torch>=2.13 (torch "
+          f"{'.'.join(map(str, torch_version()))}'s split backward cannot pass through a Python "
+          "autograd.Function); use parallel.pp_schedule=Interleaved1F1B or a newer torch")
     job.parallel.dp_shard = dims.dp_shard
     dp = dims.dp
     dims.validate_model(job.model, seq_len=d.seq_len,

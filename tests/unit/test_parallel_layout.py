@@ -139,12 +139,13 @@ def test_dry_run_experts_are_not_replicated_over_tp():
     assert experts_replicated == 2 * spread["local_expert_params"] > 0
 
 
-def test_zbv_on_gloo_needs_a_torch_whose_warm_up_does_not_send_to_itself():
-    from train.config import ParallelConfig, zbv_self_send_fails
+def test_zero_bubble_schedules_need_torch_2_13():
+    from train.config import ParallelConfig, zero_bubble_unsupported
 
-    zbv = ParallelConfig(pp=2, pp_schedule="ZBVZeroBubble", pp_virtual_stages=2)
-    assert zbv_self_send_fails(zbv, "gloo", (2, 11)) and zbv_self_send_fails(zbv, "gloo", (2, 12))
-    assert not zbv_self_send_fails(zbv, "gloo", (2, 13))
-    assert not zbv_self_send_fails(zbv, "nccl", (2, 11))  # NCCL sends to its own rank
+    for schedule in ("ZBVZeroBubble", "InterleavedZeroBubble"):
+        zb = ParallelConfig(pp=2, pp_schedule=schedule, pp_virtual_stages=2)
+        assert zero_bubble_unsupported(zb, (2, 11)) and zero_bubble_unsupported(zb, (2, 12))
+        assert not zero_bubble_unsupported(zb, (2, 13))
+        assert not zero_bubble_unsupported(zb, (3, 0))
     interleaved = ParallelConfig(pp=2, pp_schedule="Interleaved1F1B", pp_virtual_stages=2)
-    assert not zbv_self_send_fails(interleaved, "gloo", (2, 11))
+    assert not zero_bubble_unsupported(interleaved, (2, 11))
