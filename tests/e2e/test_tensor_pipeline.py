@@ -24,6 +24,12 @@ from tests.helpers.runs import (
     pretrain_concurrently,
     pretrain_many,
 )
+from train.config import torch_version
+
+# torch < 2.13 cannot run the zero-bubble schedules (`train.config.zero_bubble_unsupported`):
+# there their jobs must be refused in one line instead
+ZERO_BUBBLE_RUNS = torch_version() >= (2, 13)
+ZERO_BUBBLE_JOBS = ("to_zbv", "InterleavedZeroBubble")
 
 ARGS = ["train.steps=4", "checkpoint.interval=3", "cluster.param_dtype=fp64",
         "eval.every=4", "eval.batches=2"]  # validation loss at step 4, in every layout
@@ -56,11 +62,17 @@ def runs(tmp_path_factory):
     # layout switches at step 3, then the run goes on unchanged: one rank -> pp2 x dp2 (zero-
     # bubble V); tp2 x dp2 x ep2 -> one rank
     _copy_step3(out["ref"], out["to_zbv"])
-    pretrain_many([*((out[n], [*ARGS, IMAGES, *e]) for n, e in LAYOUTS.items()),
-                   (out["pp2_tp2_fp32"], [*fp32, *LAYOUTS["pp2_tp2"]]),
-                   (out["to_zbv"], [*ARGS, *ZBV])], nproc=4)
-    pretrain_many([(out[n], [*ARGS, "train.stop_at_step=2", "parallel.pp=2", *e])
-                   for n, e in SCHEDULES.items()], nproc=2)
+    four = [*((out[n], [*ARGS, IMAGES, *e]) for n, e in LAYOUTS.items()),
+            (out["pp2_tp2_fp32"], [*fp32, *LAYOUTS["pp2_tp2"]]), (out["to_zbv"], [*ARGS, *ZBV])]
+    two = [(out[n], [*ARGS, "train.stop_at_step=2", "parallel.pp=2", *e])
+           for n, e in SCHEDULES.items()]
+    out["refused"] = {}
+    for jobs, nproc in ((four, 4), (two, 2)):
+        if not ZERO_BUBBLE_RUNS:
+            for d, o in [j for j in jobs if j[0].name in ZERO_BUBBLE_JOBS]:
+                jobs.remove((d, o))
+                out["refused"][d.name] = pretrain(d, *o, nproc=nproc, check=False)
+        pretrain_many(jobs, nproc=nproc)
     _copy_step3(out["tp2_dp2"], out["to_one"])
     pretrain(out["to_one"], *ARGS)
     return out
@@ -101,8 +113,19 @@ def test_images_equal_one_rank(runs, name):
     np.testing.assert_allclose(got["attnres_weights"], ref["attnres_weights"], rtol=0, atol=1e-9)
 
 
+def _refused(runs, name: str) -> bool:
+    """True if this torch refuses the job's zero-bubble schedule, after checking it did so in
+    one line (below torch 2.13)."""
+    r = runs["refused"].get(name)
+    if r is not None:
+        assert r.returncode != 0 and "needs torch>=2.13" in r.stderr, r.stderr[-2000:]
+    return r is not None
+
+
 @pytest.mark.parametrize("name", list(SCHEDULES))
 def test_schedules_equal_one_rank(runs, name):
+    if _refused(runs, name):
+        return
     ref, got = losses(runs["ref"]), losses(runs[name])
     assert sorted(got) == [1, 2]
     for s in got:
@@ -123,6 +146,8 @@ def test_parameters_equal_one_rank(runs, name):
 
 @pytest.mark.parametrize("name", ["to_zbv", "to_one"])
 def test_resume_under_another_layout(runs, name):
+    if _refused(runs, name):
+        return
     ref, got = metrics(runs["ref"]), metrics(runs[name])
     assert [m["step"] for m in got] == [4]  # steps 1-3 came from the other layout
     for g in got:
