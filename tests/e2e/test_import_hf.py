@@ -68,8 +68,10 @@ def runs(tmp_path_factory):
     pretrain(root / "one_rank", *RUN)
     straight = [(root / f"release_{n}", [*RUN, *LAYOUTS[n], f"checkpoint.init_from={release}",
                                          *TRAINING_KNOBS]) for n in FROM_RELEASE]
-    pretrain_many([(root / n, [*RUN, *extra]) for n, extra in LAYOUTS.items()] + straight,
-                  nproc=2)
+    pretrain_many([(root / n, [*RUN, *extra]) for n, extra in LAYOUTS.items()], nproc=2)
+    # a launch of their own: on torch 2.11, after the cp 2 job in the same processes, the tp 2
+    # job's rank 1 aborted in its first forward (alone it passes)
+    pretrain_many(straight, nproc=2)
     return {"root": root, "source": source, "release": release, "cli": done}
 
 
