@@ -84,22 +84,16 @@ def _model_from_run_dir(job: JobConfig) -> None:
 def _model_from_release(job: JobConfig, overrides: list[str]) -> None:
     """checkpoint.init_from: the model is the release's config.json, with the command line's
     model.FIELD=V (fields that change no weight, such as kda_chunk_size) on top."""
-    import json
-
     from model.inspect import parse_model_overrides
-    from train.import_hf import ImportHFError, model_config_from_release
+    from train.import_hf import ImportHFError, model_config_from_release, read_release_config
 
     folder = Path(job.checkpoint.init_from)
     if any(o.lstrip("+~").startswith("model=") for o in overrides):
         raise ConfigError("checkpoint.init_from takes the model from its config.json; drop "
                           "model=... (model.FIELD=VALUE still sets fields that change no weight)")
+    fields = parse_model_overrides([o for o in overrides if o.startswith("model.")])
     try:
-        config = json.loads((folder / "config.json").read_text())
-        fields = parse_model_overrides([o for o in overrides if o.startswith("model.")])
-        job.model = model_config_from_release(config, overrides=fields)[0]
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"checkpoint.init_from={str(folder)!r}: {folder / 'config.json'} "
-                          f"cannot be read ({' '.join(str(e).split())})") from None
+        job.model = model_config_from_release(read_release_config(folder), overrides=fields)[0]
     except ImportHFError as e:
         hint = (" (a flag of python -m train.import_hf: import the release with it, then "
                 "run.dir=<the import>)") if "--ignore-field" in str(e) else ""

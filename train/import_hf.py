@@ -133,6 +133,15 @@ def model_config_from_release(config: dict[str, Any], ignore: tuple[str, ...] = 
     return cfg, quant, skipped
 
 
+def read_release_config(folder: Path) -> dict[str, Any]:
+    """The checkpoint's config.json, or a one-line ImportHFError."""
+    try:
+        return json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ImportHFError(f"{Path(folder) / 'config.json'} cannot be read ({_first_line(e)})"
+                            ) from None
+
+
 def check_quantization(quant: dict | None) -> None:
     """Only compressed-tensors MXFP4 (group 32, 4-bit float weights) or no quantisation."""
     if not quant:
@@ -173,12 +182,8 @@ def import_hf(folder: Path, output: Path, tokenizer: str | None = "auto",
     group); returns the summary written to import.json."""
     t0 = time.perf_counter()
     folder, output = Path(folder), Path(output)
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise ImportHFError(f"{folder / 'config.json'} cannot be read ({_first_line(e)})"
-                            ) from None
-    cfg, quant, skipped = model_config_from_release(config, ignore, overrides)
+    cfg, quant, skipped = model_config_from_release(read_release_config(folder), ignore,
+                                                    overrides)
     tok_dir = _tokenizer_folder(folder, tokenizer, cfg)
     reader = ReleaseReader(folder, cfg)
     reader.read_metadata()  # checks every name and shape before anything is written
