@@ -1,7 +1,7 @@
 """Roofline prediction of one GPU training step from the real op graph, traced on a CPU.
 
     python benchmarks/roofline.py [hydra overrides] --gpu h200|h100|b200 [--table] [--layer N]
-        [--world N] [--optimizer-shards N]
+        [--world N] [--optimizer-shards N] [--compiled]
     e.g. model=k3_small data.seq_len=4096 data.micro_batch=1 data.docs_per_row=4
          parallel.tp=2 parallel.ep=4 --world 8      (layout: communication volume only)
 
@@ -70,7 +70,9 @@ its parameters' optimizer step: needed for the full `k3`, whose whole step is to
   GEMM rate for matmul-like ops (mm, addmm, bmm, grouped GEMMs, _scaled_mm, attention, KDA),
   the vector rate otherwise. No overlap between ops and no communication time: a lower bound
   on a step that runs kernels back to back, on one GPU, in eager mode (the op graph is traced
-  without torch.compile, so no elementwise fusion; `parallel.compile` is not modelled).
+  without torch.compile, so no elementwise fusion). `--compiled` models `parallel.compile=true`
+  instead: each decoder layer's glue as the fused kernels inductor's scheduler makes of it
+  (benchmarks/roofline_compiled.py; JSON `compiled_graphs`, `unmatched_externs`).
 * MFU = model_flops / (predicted_step_s * dense bf16 peak), model_flops =
   `train.flops.step_flops(cfg, doc_lengths)` (the trainer's count). With `--layer N`, the same
   count restricted to the layer: 6 * its active parameters (routed experts top-k/E) per token
@@ -234,6 +236,8 @@ class OpRecord:
     nbytes: float
     kernels: int
     replay: Replay | None = None  # how to run it again (Trace(replay=True) only)
+    region: int | None = None  # the compiled graph it ran in (--compiled), else None
+    expanded: bool = False  # recorded inside a `k3::` op's PyTorch body (Trace.expand)
 
     @property
     def matmul(self) -> bool:
@@ -506,11 +510,16 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.trace = trace
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Off while torch.compile compiles (`--compiled`), on while its graphs run."""
+        return True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         impl = _pytorch_custom_op(func)
-        if impl is None or not self.trace.expand(self, impl, args, kwargs):
+        if impl is None or not self.trace.expand(self, impl, args, kwargs, _func_info(func)[0]):
             self.trace.record(func, args, kwargs, out)
         return out
 
@@ -554,6 +563,12 @@ class Trace:
         self.phase = "forward"
         self.formulas = _Formulas(doc_lengths)
         self.replay = replay
+        # --compiled (roofline_compiled): the graph running now, its FX node's category, and
+        # the (region, op) of each `k3::` op expanded inside a graph
+        self.region: int | None = None
+        self.category_hint: str | None = None
+        self.expanded_ops: list[tuple[int, str]] = []
+        self._expanding = False
 
     def category(self, name: str, short: str) -> str:
         if name in GEMM_OPS:
@@ -564,6 +579,8 @@ class Trace:
             return "kda"
         if self.phase == "optimizer":
             return "optimizer"
+        if self.region is not None:  # a compiled graph: frames are generated code
+            return self.category_hint or "elementwise_norm"
         cat = model_frame_category(short)
         if cat is None and self.phase == "backward":
             node = torch._C._current_autograd_node()
@@ -589,18 +606,24 @@ class Trace:
         self.records.append(OpRecord(name, self.category(name, short), self.phase,
                                      float(flops or 0.0), vflops,
                                      float(_op_bytes(name, func, args, kwargs, out)), kernels,
-                                     replay_spec(func, args, kwargs) if self.replay else None))
+                                     replay_spec(func, args, kwargs) if self.replay else None,
+                                     self.region, self._expanding))
 
-    def expand(self, recorder: _Recorder, impl: Callable, args, kwargs) -> bool:
+    def expand(self, recorder: _Recorder, impl: Callable, args, kwargs, name: str = "") -> bool:
         """Record the ops of `impl(*args)` (a custom op's PyTorch body) instead of the opaque
         op; False (nothing recorded) if it does not run on these fake tensors."""
         outer, self.records = self.records, []
+        expanding, self._expanding = self._expanding, True
         try:
             with recorder:
                 impl(*args, **kwargs)
         except Exception:
             self.records = outer
             return False
+        finally:
+            self._expanding = expanding
+        if self.region is not None and not expanding:
+            self.expanded_ops.append((self.region, name))
         outer += self.records
         self.records = outer
         return True
@@ -804,10 +827,15 @@ def _layer_model_flops(cfg, layer: torch.nn.Module, idx: int, lengths: list[int]
 
 
 def trace_step(job: Job, layer: int | None = None, optimizer_shards: int = 1,
-               replay: bool = False) -> tuple[list[OpRecord], dict]:
+               replay: bool = False, compiled: bool = False) -> tuple[list[OpRecord], dict]:
     """Records of one step (whole model, or decoder layer `layer`) and the model FLOPs;
     the optimizer and FSDP copy-in over one rank's share of `optimizer_shards`; `replay`:
-    records carry their `Replay`."""
+    records carry their `Replay`; `compiled`: decoder layers as inductor fuses them
+    (benchmarks/roofline_compiled.py)."""
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+    from roofline_compiled import CompiledRegions
+
     from model.decoder import DecoderLayer, K3Model
     from model.ops.backends import force_cuda_backends
     from model.packing import Packing
@@ -830,9 +858,14 @@ def trace_step(job: Job, layer: int | None = None, optimizer_shards: int = 1,
     master = module  # meta fp32 parameters: the optimizer's view
     compute = K3Model(cfg, device="meta") if layer is None else DecoderLayer(cfg, layer, "meta")
     _cast_params(compute, dtype)
-    with force_cuda_backends(), FakeTensorMode(allow_non_fake_inputs=True):
+    regions = CompiledRegions(trace, sys.modules[__name__])
+    layers = (compute.decoder_layers() if layer is None else [compute]) if compiled else []
+    with force_cuda_backends(), FakeTensorMode(allow_non_fake_inputs=True), \
+            contextlib.ExitStack() as stack:
         compute.to_empty(device="cpu")
         compute.train()
+        if compiled:
+            stack.enter_context(regions.compiled(layers))
         cu = torch.tensor(bounds, dtype=torch.int32)
         packing = Packing(B, T, "cpu", cu, max_seqlen=max(lengths), cu_seqlens_cpu=cu_host)
         if layer is None:
@@ -859,6 +892,9 @@ def trace_step(job: Job, layer: int | None = None, optimizer_shards: int = 1,
             if hasattr(compute, "block_sparse_moe"):
                 with trace.recording("step_end"):
                     compute.block_sparse_moe.gate.apply_quantile_balancing()
+    unmatched: dict = {}
+    if compiled:
+        trace.records, unmatched = regions.substitute(trace.records)
     _optimizer_ops(trace, master, job.job, optimizer_shards)
     _fsdp_copies(trace, _fsdp_units(master, layer), optimizer_shards)
     if layer is None:
@@ -866,7 +902,9 @@ def trace_step(job: Job, layer: int | None = None, optimizer_shards: int = 1,
     else:
         model_flops = _layer_model_flops(cfg, master, layer, lengths)
     return trace.records, {"model_flops": model_flops, "tokens": B * T, "doc_lengths": lengths,
-                           "params": n_params, "module": master}
+                           "params": n_params, "module": master,
+                           "compiled_graphs": len(regions.regions),
+                           "unmatched_externs": unmatched}
 
 
 # ----------------------------------------------------------------------------- communication
@@ -994,8 +1032,8 @@ def summarize(records: Sequence[OpRecord], gpu: GPU, model_flops: float) -> dict
 
 
 def analyze(overrides: Sequence[str] = (), gpu: str = "h200", layer: int | None = None,
-            world: int = 8, optimizer_shards: int = 1, replay: bool = False
-            ) -> tuple[dict, list[OpRecord]]:
+            world: int = 8, optimizer_shards: int = 1, replay: bool = False,
+            compiled: bool = False) -> tuple[dict, list[OpRecord]]:
     """(the JSON summary, the op records) of one predicted step; `replay`: the records carry
     their `Replay` (the JSON is the same)."""
     if gpu not in GPUS:
@@ -1004,7 +1042,7 @@ def analyze(overrides: Sequence[str] = (), gpu: str = "h200", layer: int | None 
     job = load_config(overrides, world)
     if optimizer_shards < 1:
         raise ValueError(f"--optimizer-shards {optimizer_shards} must be >= 1")
-    records, info = trace_step(job, layer, optimizer_shards, replay)
+    records, info = trace_step(job, layer, optimizer_shards, replay, compiled)
     by_dim, detail = comm_bytes(job, info["module"], layer)
     out = {
         "gpu": g.name, "preset": job.preset, "layer": layer,
@@ -1012,6 +1050,8 @@ def analyze(overrides: Sequence[str] = (), gpu: str = "h200", layer: int | None 
         f"{job.model.layer_type(layer)}+{'moe' if job.model.is_moe_layer(layer) else 'dense'}",
         "seq_len": job.job.data.seq_len, "micro_batch": job.job.data.micro_batch,
         "docs_per_row": job.docs_per_row, "optimizer_shards": optimizer_shards,
+        "compiled": compiled, "compiled_graphs": info["compiled_graphs"],
+        "unmatched_externs": info["unmatched_externs"],
         "doc_lengths": info["doc_lengths"],
         "tokens": info["tokens"], "params": info["params"], "dtype": str(job.param_dtype),
         **summarize(records, g, info["model_flops"]),
@@ -1027,9 +1067,9 @@ def analyze(overrides: Sequence[str] = (), gpu: str = "h200", layer: int | None 
 
 
 def roofline(overrides: Sequence[str] = (), gpu: str = "h200", layer: int | None = None,
-             world: int = 8, optimizer_shards: int = 1) -> dict:
+             world: int = 8, optimizer_shards: int = 1, compiled: bool = False) -> dict:
     """The JSON summary of one predicted step (see the module docstring)."""
-    return analyze(overrides, gpu, layer, world, optimizer_shards)[0]
+    return analyze(overrides, gpu, layer, world, optimizer_shards, compiled=compiled)[0]
 
 
 def format_table(rows: Sequence[dict]) -> str:
@@ -1052,6 +1092,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--world", type=int, default=8, help="ranks, for comm_bytes (default 8)")
     ap.add_argument("--optimizer-shards", type=int, default=1,
                     help="optimizer + FSDP copy-in over 1/N of the parameters (default 1)")
+    ap.add_argument("--compiled", action="store_true",
+                    help="decoder layers as inductor fuses them (parallel.compile=true)")
     args, overrides = ap.parse_known_args(argv)
     bad = [o for o in overrides if o.startswith("-")]
     if bad:
@@ -1059,7 +1101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(1)
     try:
         out, records = analyze(overrides, args.gpu, args.layer, args.world,
-                                args.optimizer_shards)
+                                args.optimizer_shards, compiled=args.compiled)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -197,3 +197,39 @@ def test_comm_bytes_follow_the_layout():
     assert all(v == 0 for v in one.values())
     pp = roofline.load_config([*SMALL, "parallel.pp=2", "data.global_batch=4"], world=2)
     assert roofline.comm_bytes(pp, K3Model(cfg, device="meta"), None)[0]["pp"] > 0
+
+
+@pytest.mark.parametrize("idx", [1, 3])  # KDA+MoE, MLA+MoE
+def test_compiled_layer_keeps_every_gemm_and_fuses_the_glue(idx):
+    """--compiled: one forward and one backward graph; the GEMM, attention and KDA records are
+    the eager trace's exactly; inductor's fused kernels replace the glue with fewer kernels and
+    fewer bytes."""
+    eager = roofline.roofline(SMALL, gpu="h200", layer=idx)
+    comp = roofline.roofline(SMALL, gpu="h200", layer=idx, compiled=True)
+    assert comp["compiled"] and comp["compiled_graphs"] == 2
+    for cat in ("gemm", "attention", "kda"):
+        assert comp["by_category"][cat]["flops"] == pytest.approx(
+            eager["by_category"][cat]["flops"], rel=1e-12), cat
+    glue = ("elementwise_norm", "attnres", "moe_routing")
+    kernels = lambda s: sum(s["by_category"][c]["kernels"] for c in glue)  # noqa: E731
+    nbytes = lambda s: sum(s["by_category"][c]["bytes"] for c in glue)  # noqa: E731
+    assert kernels(comp) < kernels(eager) and nbytes(comp) < nbytes(eager)
+    assert comp["fwd_bwd_s"] < eager["fwd_bwd_s"]
+    assert sum(comp["unmatched_externs"].values()) <= 1  # the router's scatter_reduce at most
+
+
+def test_compiled_pointwise_chain_is_one_kernel_reading_x_writing_y():
+    """Oracle: y = relu(2x + 1) is one fused inductor kernel that reads x and writes y."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from roofline_compiled import CompiledRegions
+
+    trace = roofline.Trace()
+    regions = CompiledRegions(trace, roofline)
+    fn = torch.compile(lambda x: torch.relu(2 * x + 1), backend=regions.backend)
+    torch._dynamo.reset()
+    with torch._subclasses.fake_tensor.FakeTensorMode(), trace.recording("forward"):
+        fn(torch.empty(1024, 64))
+    records, unmatched = regions.substitute(trace.records)
+    assert unmatched == {} and len(regions.regions) == 1
+    assert [(r.name, r.kernels, r.nbytes) for r in records] == [
+        ("inductor.pointwise", 1, 2 * 1024 * 64 * 4)]
