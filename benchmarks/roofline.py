@@ -141,6 +141,10 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
 from torch.utils.flop_counter import flop_registry  # noqa: E402
 
+if str(ROOT / "benchmarks") not in sys.path:  # the module next to this one, however it loads
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+from roofline_compiled import CompiledRegions  # noqa: E402
+
 
 # ----------------------------------------------------------------------------- constants
 @dataclasses.dataclass(frozen=True)
@@ -832,10 +836,6 @@ def trace_step(job: Job, layer: int | None = None, optimizer_shards: int = 1,
     the optimizer and FSDP copy-in over one rank's share of `optimizer_shards`; `replay`:
     records carry their `Replay`; `compiled`: decoder layers as inductor fuses them
     (benchmarks/roofline_compiled.py)."""
-    if str(ROOT / "benchmarks") not in sys.path:
-        sys.path.insert(0, str(ROOT / "benchmarks"))
-    from roofline_compiled import CompiledRegions
-
     from model.decoder import DecoderLayer, K3Model
     from model.ops.backends import force_cuda_backends
     from model.packing import Packing

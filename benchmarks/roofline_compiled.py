@@ -26,8 +26,8 @@ loss, the optimizer) stays eager, as in the trainer.
 
 What this does not model: CUDA graphs, inductor's GEMM templates (max-autotune; mm stays the
 aten extern kernel), mm epilogue fusion, and activation checkpointing of compiled layers.
-Inductor internals (`Scheduler.codegen`, `compile_fx(inner_compile=)`) are used as torch 2.11
-to 2.14 have them.
+It relies on inductor and dynamo internals (`Scheduler.codegen`, `compile_fx(inner_compile=)`,
+`TorchDispatchMode.ignore_compile_internals`), exercised on torch 2.13 only.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from __future__ import annotations
 import ast
 import collections
 import contextlib
-import copy
 import re
 from collections.abc import Iterator, Sequence
 from functools import cache
@@ -151,8 +150,8 @@ class Region:
 
 
 class _Runner(torch.fx.Interpreter):
-    """Runs a partitioned graph on the fake tensors with the trace told which region it is in
-    and which FX node (for categories) is running."""
+    """Runs a partitioned graph on the fake tensors, telling the trace the category of each FX
+    node as it runs (the region is set by the caller)."""
 
     def __init__(self, gm: torch.fx.GraphModule, trace, rl) -> None:
         super().__init__(gm)
@@ -220,7 +219,7 @@ class CompiledRegions:
 
         torch._dynamo.reset()
         saved = [layer.__dict__.get("forward") for layer in layers]
-        config = copy.copy(torch._dynamo.config.get_config_copy())
+        config = torch._dynamo.config.get_config_copy()
         try:
             apply_compile(list(layers), backend=self.backend)
             for layer in layers:

@@ -14,6 +14,7 @@ names, FSDP units and checkpoints are unchanged.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -78,7 +79,7 @@ def apply_activation_checkpointing(layers: list[nn.Module], mode: str) -> None:
         layer.forward = forward
 
 
-def apply_compile(layers: list[nn.Module], backend: str = "inductor") -> None:
+def apply_compile(layers: list[nn.Module], backend: str | Callable = "inductor") -> None:
     """Compile each decoder layer's forward (one graph per layer; dynamic shapes off).
 
     Every layer type traces as one graph (`tests/unit/test_graph_breaks.py`). All layers share

@@ -220,11 +220,8 @@ def test_compiled_layer_keeps_every_gemm_and_fuses_the_glue(idx):
 
 def test_compiled_pointwise_chain_is_one_kernel_reading_x_writing_y():
     """Oracle: y = relu(2x + 1) is one fused inductor kernel that reads x and writes y."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from roofline_compiled import CompiledRegions
-
     trace = roofline.Trace()
-    regions = CompiledRegions(trace, roofline)
+    regions = roofline.CompiledRegions(trace, roofline)
     fn = torch.compile(lambda x: torch.relu(2 * x + 1), backend=regions.backend)
     torch._dynamo.reset()
     with torch._subclasses.fake_tensor.FakeTensorMode(), trace.recording("forward"):
