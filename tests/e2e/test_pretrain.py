@@ -18,12 +18,15 @@ STEPS = ["train.steps=12", "checkpoint.interval=4"]
 
 
 def assert_losses_match(got: dict[int, float], ref: dict[int, float]) -> None:
-    """fp32 on different layouts: 1e-5 relative for the first 8 steps (the issue asks 5). Later,
-    reduction-order noise can flip a near-tied top-k routing choice, which changes that step's
-    loss by more; 1e-3 bounds it (a real layout bug moves the loss by >1e-2 from step 1)."""
+    """fp32 on different layouts: 1e-5 relative for the first 5 steps (what the issue asks),
+    1e-3 later. Each step's Quantile-Balancing update may move one expert's bias per layer across
+    a histogram bin edge (`test_quantile_balancing_is_layout_independent` allows it by step 4),
+    and reduction-order noise can flip a near-tied top-k choice; either changes the routing, so
+    the two layouts drift past 1e-5 after a few steps (seen: 2e-5 at step 8 with the packages of
+    2026-12-03). A real layout bug moves the loss by >1e-2 from step 1."""
     assert sorted(got) == sorted(ref)
     for s in ref:
-        tol = 1e-5 if s <= 8 else 1e-3
+        tol = 1e-5 if s <= 5 else 1e-3
         assert abs(got[s] - ref[s]) <= tol * abs(ref[s]), (s, got[s], ref[s])
 
 
