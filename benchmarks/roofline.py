@@ -4,6 +4,8 @@
         [--world N] [--optimizer-shards N] [--compiled]
     e.g. model=k3_small data.seq_len=4096 data.micro_batch=1 data.docs_per_row=4
          parallel.tp=2 parallel.ep=4 --world 8      (layout: communication volume only)
+         model=k3_small data.seq_len=4096 data.micro_batch=1 data.global_batch=16 --world 1
+         parallel.reshard_after_forward=false --compiled     (one GPU, 16 micro-batches)
 
 Prints ONE JSON line (the last line on stdout); `--table` first prints the top 20 ops by
 predicted time to stderr. Python API: `roofline(overrides, gpu=, layer=, world=,
@@ -14,16 +16,20 @@ i_ops times the top ones). JSON: tokens, model_flops, traced_flops (flop_counter
 formulas), vector_flops, predicted_step_s, predicted_mfu, fwd_bwd_s / fwd_bwd_mfu (forward +
 backward only), kernels, by_category {name: {s, flops, bytes, kernels, vector_flops}},
 by_phase, non_gemm_fraction (time outside gemm/attention/kda over the total), comm_bytes by
-dim (+ comm_detail), layout, gpu, preset, layer, seq_len, micro_batch, doc_lengths, constants.
+dim (+ comm_detail), layout, gpu, preset, layer, seq_len, micro_batch, micro_batches,
+global_batch, doc_lengths, constants.
 
 What is traced. The job config is composed like `launch/pretrain.py` does (Hydra, configs/,
 `+cluster=gpu_node8` unless a cluster is given: bf16 parameters as FSDP2's mixed precision casts
-them, fp32 gradient reduction), without the launcher's device checks. One step = one micro-batch
-`[data.micro_batch, data.seq_len]` of packed documents (`data.docs_per_row`, our knob, default
-4 per row; document i of a row is about (i+1)/sum(1..n) of it, so lengths are uneven) through
-forward, backward, gradient clipping (`parallel.grads.clip_grad_norm`), the AdamW step
-(`train.optim.build_optimizer`: torch's fused AdamW, its CUDA choice) and the router-bias
-update (Quantile Balancing, phase `step_end`). `--layer N` traces decoder layer N alone
+them, fp32 gradient reduction), without the launcher's device checks. One step = the trainer's
+N = data.global_batch / (dp x data.micro_batch) micro-batches on this rank (JSON
+`micro_batches`, dp from the layout over `--world`), each `[data.micro_batch, data.seq_len]` of
+packed documents (`data.docs_per_row`, our knob, default 4 per row; document i of a row is about
+(i+1)/sum(1..n) of it, so lengths are uneven) through forward and backward (traced once,
+counted N times: `OpRecord.count`), then once gradient clipping
+(`parallel.grads.clip_grad_norm`), the AdamW step (`train.optim.build_optimizer`: torch's fused
+AdamW, its CUDA choice) and the router-bias update (Quantile Balancing, phase `step_end`).
+`tokens` and `model_flops` are the step's (N micro-batches); `doc_lengths` one micro-batch's. `--layer N` traces decoder layer N alone
 (AttnRes inputs of the right depth, like tests/unit/test_gpu_ready.py's `_k3_layer_step`) plus
 its parameters' optimizer step: needed for the full `k3`, whose whole step is too large to trace.
 
@@ -38,10 +44,14 @@ its parameters' optimizer step: needed for the full `k3`, whose whole step is to
   (the CPU step counters it keeps are host ops, not kernels). `clip_grad_norm`'s final float()
   read cannot run on fake tensors: it is the last statement, so every kernel before it is
   recorded. FSDP2's mixed-precision copies are added analytically,
-  one kernel each per unit (each decoder layer, the root) and all-gather (2 per step; 1 for the
-  last layer and the root, kept gathered): `fsdp.all_gather_copy_in` (fp32 shard -> bf16
-  buffer, 6 B per shard element), `fsdp.all_gather_copy_out` (4 B per parameter) and
-  `fsdp.reduce_scatter_copy_in` (bf16 gradient -> fp32 buffer, 6 B per parameter, once).
+  one kernel each per unit (each decoder layer, the root) and all-gather (2 per micro-batch; 1
+  for the last layer and the root, kept gathered; with `parallel.reshard_after_forward=false`
+  or pp > 1, 1 per unit per step): `fsdp.all_gather_copy_in` (fp32 shard -> bf16 buffer, 6 B
+  per shard element), `fsdp.all_gather_copy_out` (4 B per parameter) and
+  `fsdp.reduce_scatter_copy_in` (gradient -> fp32 buffer, once: 6 B per parameter from bf16,
+  8 B from the accumulator); with N > 1 FSDP2's fp32 gradient accumulation,
+  `fsdp.grad_to_fp32` (6 B per parameter, once) and `fsdp.grad_accumulate` (10 B, N - 1 times),
+  a kernel per parameter tensor.
   `--optimizer-shards N` (default 1: the whole optimizer on this GPU, as in the one-GPU step of
   benchmarks/gpu_suite.sh stage f) runs the optimizer and the copy-in on one rank's FSDP2 dim-0
   shard of N. Forward and backward are always the full micro-batch on one GPU.
@@ -97,8 +107,9 @@ category of the node being run; `torch.autograd.Function.apply` is not seen by t
 mode (its backward has Python frames, so rule (3) applies).
 
 Communication (`comm_bytes`, analytic, bytes each rank sends per step = per predicted step, the
-busiest rank where ranks differ; the trace itself is one device): `dp_shard` FSDP all-gathers of
-bf16 parameters (2 per step, 1 under pp) and reduce-scatter of fp32 gradients, (n-1)/n of each
+busiest rank where ranks differ; the trace itself is one device; activation terms x N
+micro-batches): `dp_shard` FSDP all-gathers of bf16 parameters (2 per micro-batch; 1 per step
+under pp or with reshard_after_forward=false) and reduce-scatter of fp32 gradients, (n-1)/n of each
 rank's stage and tp shard; experts under ep are FSDP'd over edp = dp_shard*tp/ep; `dp_replicate`
 all-reduce (2(r-1)/r) of the fp32 gradient shards; `tp` one all-gather + one reduce-scatter of
 [B, T, d] bf16 activations per TP region (token mixer, dense MLP or shared experts; the
@@ -242,14 +253,17 @@ class OpRecord:
     replay: Replay | None = None  # how to run it again (Trace(replay=True) only)
     region: int | None = None  # the compiled graph it ran in (--compiled), else None
     expanded: bool = False  # recorded inside a `k3::` op's PyTorch body (Trace.expand)
+    count: int = 1  # runs per step: the micro-batches for forward and backward ops
+
 
     @property
     def matmul(self) -> bool:
         return self.name in MATMUL_OPS
 
     def time(self, gpu: GPU) -> float:
+        """Predicted seconds per step: `count` runs of the op."""
         flops = self.flops if self.matmul else self.flops + self.vector_flops
-        return op_time(flops, self.nbytes, gpu, self.matmul, self.kernels)
+        return self.count * op_time(flops, self.nbytes, gpu, self.matmul, self.kernels)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -680,6 +694,7 @@ class Job:
     preset: str
     docs_per_row: int
     param_dtype: torch.dtype
+    micro_batches: int  # per optimizer step on each rank: the trainer's gradient accumulation
 
 
 def load_config(overrides: Sequence[str], world: int = 8) -> Job:
@@ -719,7 +734,13 @@ def load_config(overrides: Sequence[str], world: int = 8) -> Job:
     dims.validate_model(job.model, seq_len=job.data.seq_len)
     if docs_per_row < 1:
         raise ConfigError(f"data.docs_per_row={docs_per_row} must be >= 1")
-    return Job(job.model, job, dims, preset, docs_per_row, DTYPES[job.cluster.param_dtype])
+    d, dp = job.data, dims.dp
+    if d.micro_batch < 1 or d.global_batch < 1 or d.global_batch % (dp * d.micro_batch):
+        raise ConfigError(f"data.global_batch={d.global_batch} must be a positive multiple of "
+                          f"data-parallel size {dp} x data.micro_batch={d.micro_batch}; e.g. "
+                          f"data.global_batch={dp * max(1, d.micro_batch)} or --world")
+    return Job(job.model, job, dims, preset, docs_per_row, DTYPES[job.cluster.param_dtype],
+               d.global_batch // (dp * d.micro_batch))
 
 
 # ----------------------------------------------------------------------------- the step
@@ -773,35 +794,60 @@ def _optimizer_ops(trace: Trace, module: torch.nn.Module, job, shards: int = 1) 
             opt.step()
 
 
-def _fsdp_units(module: torch.nn.Module, layer: int | None) -> list[tuple[int, int]]:
-    """(parameters, all-gathers per step) of each FSDP unit: every decoder layer, then the root
-    (parallel.fsdp.apply_fsdp: the last layer and the root stay gathered until backward). One
-    traced layer counts as a middle layer."""
+def _fsdp_units(module: torch.nn.Module, layer: int | None, reshard: bool = True
+                ) -> list[tuple[int, int, int]]:
+    """(parameters, all-gathers per micro-batch, parameter tensors) of each FSDP unit: every
+    decoder layer, then the root (parallel.fsdp.apply_fsdp: the last layer and the root stay
+    gathered until backward; with `reshard` false every unit does). One traced layer counts as
+    a middle layer."""
+    mid = 2 if reshard else 1
+    def size(m: torch.nn.Module) -> tuple[int, int]:
+        ps = list(m.parameters())
+        return sum(p.numel() for p in ps), len(ps)
+
     if layer is not None:
-        return [(sum(p.numel() for p in module.parameters()), 2)]
+        n, t = size(module)
+        return [(n, mid, t)]
     layers = list(module.layers.values())
-    units = [(sum(p.numel() for p in m.parameters()), 2 if i < len(layers) - 1 else 1)
-             for i, m in enumerate(layers)]
-    in_layers = sum(n for n, _ in units)
-    return units + [(sum(p.numel() for p in module.parameters()) - in_layers, 1)]
+    units = []
+    for i, m in enumerate(layers):
+        n, t = size(m)
+        units.append((n, mid if i < len(layers) - 1 else 1, t))
+    n_all, t_all = size(module)
+    return units + [(n_all - sum(u[0] for u in units), 1, t_all - sum(u[2] for u in units))]
 
 
-def _fsdp_copies(trace: Trace, units: list[tuple[int, int]], shards: int = 1) -> None:
+def _fsdp_copies(trace: Trace, units: list[tuple[int, int, int]], shards: int = 1,
+                 micro_batches: int = 1, keep_gathered: bool = False) -> None:
     """FSDP2's mixed-precision copies (analytic), per unit and all-gather: copy-in of the fp32
     shard into the bf16 all-gather buffer (6 B per shard element), copy-out of the gathered
-    bf16 parameters (4 B per element); before the reduce-scatter, bf16 gradients into the fp32
-    buffer (6 B per element). One kernel each."""
-    gathered = sum(n * g for n, g in units)
-    gathers = sum(g for _, g in units)
-    params = sum(n for n, _ in units)
+    bf16 parameters (4 B per element), one kernel each, every micro-batch (each one's forward
+    and backward gather again), or once per step with `keep_gathered`
+    (`parallel.reshard_after_forward=false`, `parallel.fsdp.set_gradient_sync`; under pp the
+    units stay gathered too). Gradient
+    accumulation over N > 1 micro-batches (FSDP2 without gradient sync,
+    `FSDPParam.to_accumulated_grad_if_needed` / `accumulate_unsharded_grad_if_needed`): after the
+    first backward each unsharded bf16 gradient becomes an fp32 copy (6 B per element), after each
+    later one it is added into it (10 B), one kernel per parameter tensor each. Before the
+    reduce-scatter, the gradients into the fp32 buffer: 6 B per element from bf16, 8 B from the
+    fp32 accumulator; one kernel per unit."""
+    gathered = sum(n * g for n, g, _ in units)
+    gathers = sum(g for _, g, _ in units)
+    params = sum(n for n, _, _ in units)
+    tensors = sum(t for _, _, t in units)
+    n = micro_batches
 
-    def add(name: str, elems: float, per_elem: int, kernels: int) -> None:
+    def add(name: str, elems: float, per_elem: int, kernels: int, count: int = 1) -> None:
         trace.records.append(OpRecord(name, "optimizer", "optimizer", 0.0, float(elems),
-                                      float(per_elem * elems), kernels))
+                                      float(per_elem * elems), kernels, count=count))
 
-    add("fsdp.all_gather_copy_in", -(-gathered // shards), 6, gathers)
-    add("fsdp.all_gather_copy_out", gathered, 4, gathers)
-    add("fsdp.reduce_scatter_copy_in", params, 6, len(units))
+    every = 1 if keep_gathered else n
+    add("fsdp.all_gather_copy_in", -(-gathered // shards), 6, gathers, every)
+    add("fsdp.all_gather_copy_out", gathered, 4, gathers, every)
+    if n > 1:
+        add("fsdp.grad_to_fp32", params, 6, tensors)
+        add("fsdp.grad_accumulate", params, 10, tensors, n - 1)
+    add("fsdp.reduce_scatter_copy_in", params, 6 if n == 1 else 8, len(units))
 
 
 def _layer_active_params(module: torch.nn.Module, cfg) -> int:
@@ -895,13 +941,20 @@ def trace_step(job: Job, layer: int | None = None, optimizer_shards: int = 1,
     unmatched: dict = {}
     if compiled:
         trace.records, unmatched = regions.substitute(trace.records)
+    n_micro = job.micro_batches
+    for r in trace.records:  # every micro-batch runs forward and backward; the rest is per step
+        if r.phase in ("forward", "backward"):
+            r.count = n_micro
     _optimizer_ops(trace, master, job.job, optimizer_shards)
-    _fsdp_copies(trace, _fsdp_units(master, layer), optimizer_shards)
+    keep = not job.job.parallel.reshard_after_forward or job.dims.pp > 1
+    _fsdp_copies(trace, _fsdp_units(master, layer, reshard=not keep), optimizer_shards, n_micro,
+                 keep)
     if layer is None:
         model_flops = step_flops(cfg, lengths)
     else:
         model_flops = _layer_model_flops(cfg, master, layer, lengths)
-    return trace.records, {"model_flops": model_flops, "tokens": B * T, "doc_lengths": lengths,
+    return trace.records, {"model_flops": n_micro * model_flops, "tokens": n_micro * B * T,
+                           "doc_lengths": lengths,
                            "params": n_params, "module": master,
                            "compiled_graphs": len(regions.regions),
                            "unmatched_externs": unmatched}
@@ -932,7 +985,8 @@ def comm_bytes(job: Job, module: torch.nn.Module, layer: int | None) -> tuple[di
         replicated, experts = replicated + experts, 0
     dense_local = (sharded / tp + replicated) / stage
     expert_local = experts / ep / stage
-    gathers = 2 if par.reshard_after_forward and pp == 1 else 1
+    n_micro = job.micro_batches  # activations move every micro-batch, and FSDP gathers
+    gathers = 2 * n_micro if par.reshard_after_forward and pp == 1 else 1  # else: kept gathered
     frac = lambda n: (n - 1) / n  # noqa: E731
     detail = {
         "fsdp_all_gather": frac(dps) * dense_local * p_bytes * gathers,
@@ -944,11 +998,12 @@ def comm_bytes(job: Job, module: torch.nn.Module, layer: int | None) -> tuple[di
     }
     B, T, hid = d.micro_batch, d.seq_len, cfg.hidden_size
     act = B * T * hid * p_bytes  # one [B, T, d] activation in the compute dtype
+    tokens = n_micro * B * T / tp
     idxs = [layer] if layer is not None else list(range(cfg.num_hidden_layers))
     regions = sum(1 + (1 if (not cfg.is_moe_layer(i) or cfg.num_shared_experts > 0) else 0)
                   for i in idxs) / stage
     ends = 0 if layer is not None else (2 if pp == 1 else 1)  # embedding, head
-    detail["tp_activations"] = frac(tp) * act * (4 * regions + 2 * ends)
+    detail["tp_activations"] = frac(tp) * act * n_micro * (4 * regions + 2 * ends)
     detail["tp_replicated_grad_all_reduce"] = 2 * frac(tp) * replicated / stage / dps * g_bytes
     pp_bytes = 0.0
     if layer is None and pp > 1:
@@ -963,15 +1018,14 @@ def comm_bytes(job: Job, module: torch.nn.Module, layer: int | None) -> tuple[di
             if s > 0:  # backward: the gradient of this stage's input state
                 state = (1 + ends_at[s - 1] // cfg.attn_res_block_size + 1) * act / tp
                 send[rank] += state
-        pp_bytes = max(send)
+        pp_bytes = n_micro * max(send)
     detail["pp_activations"] = pp_bytes
     moe_layers = sum(1 for i in idxs if cfg.is_moe_layer(i)) / stage
-    tokens = B * T / tp
     detail["ep_tokens"] = (2 * 2 * tokens * cfg.num_experts_per_token
                            * cfg.routed_expert_hidden_size * p_bytes * frac(ep) * moe_layers)
     epn = cfg.num_experts // ep
     per_expert = 3 * cfg.routed_expert_hidden_size * cfg.moe_intermediate_size * p_bytes
-    detail["ep_replica_weights_max"] = (2 * epn * per_expert * moe_layers
+    detail["ep_replica_weights_max"] = (2 * n_micro * epn * per_expert * moe_layers
                                         if ep > 1 and par.ep_replicas else 0.0)
     by_dim = {
         "dp_shard": detail["fsdp_all_gather"] + detail["fsdp_reduce_scatter"],
@@ -992,9 +1046,9 @@ def top_ops(records: Sequence[OpRecord], gpu: GPU, n: int = 20) -> list[dict]:
         lambda: {"count": 0, "flops": 0.0, "bytes": 0.0, "s": 0.0})
     for r in records:
         a = agg[(r.name, r.category)]
-        a["count"] += 1
-        a["flops"] += r.flops
-        a["bytes"] += r.nbytes
+        a["count"] += r.count
+        a["flops"] += r.count * r.flops
+        a["bytes"] += r.count * r.nbytes
         a["s"] += r.time(gpu)
     rows = [{"op": k[0], "category": k[1], **v} for k, v in agg.items()]
     return sorted(rows, key=lambda r: -r["s"])[:n]
@@ -1008,10 +1062,10 @@ def summarize(records: Sequence[OpRecord], gpu: GPU, model_flops: float) -> dict
         t = r.time(gpu)
         c = by_cat[r.category]
         c["s"] += t
-        c["flops"] += r.flops
-        c["vector_flops"] += r.vector_flops
-        c["bytes"] += r.nbytes
-        c["kernels"] += r.kernels
+        c["flops"] += r.count * r.flops
+        c["vector_flops"] += r.count * r.vector_flops
+        c["bytes"] += r.count * r.nbytes
+        c["kernels"] += r.count * r.kernels
         by_phase[r.phase] += t
     total = sum(c["s"] for c in by_cat.values())
     compute = sum(by_cat[c]["s"] for c in COMPUTE_CATEGORIES)
@@ -1049,6 +1103,7 @@ def analyze(overrides: Sequence[str] = (), gpu: str = "h200", layer: int | None 
         "layer_kind": None if layer is None else
         f"{job.model.layer_type(layer)}+{'moe' if job.model.is_moe_layer(layer) else 'dense'}",
         "seq_len": job.job.data.seq_len, "micro_batch": job.job.data.micro_batch,
+        "micro_batches": job.micro_batches, "global_batch": job.job.data.global_batch,
         "docs_per_row": job.docs_per_row, "optimizer_shards": optimizer_shards,
         "compiled": compiled, "compiled_graphs": info["compiled_graphs"],
         "unmatched_externs": info["unmatched_externs"],

@@ -51,6 +51,7 @@ class ParallelModel:
     splits: list[list[int]] = field(default_factory=list)
     stage_modules: list = field(default_factory=list)  # PipelineStageModule per local stage
     compiled: bool = False  # decoder layers wrapped in torch.compile (parallel.compile)
+    keep_gathered: bool = False  # FSDP units stay gathered over a step's micro-batches
 
     @property
     def has_first_stage(self) -> bool:
@@ -66,6 +67,7 @@ def parallelize(job, dims: ParallelDims, meshes: Meshes, device: torch.device,
     out, stage_modules = shard_on_meta(job, dims, meshes, meshes.pp_rank, log)
     out.stage_modules = stage_modules
     out.compiled = bool(job.parallel.compile)
+    out.keep_gathered = not job.parallel.reshard_after_forward and dims.pp == 1
     model = out.model
     model.to_empty(device=device)
     init_weights(model, job.train.seed, write=dtensor_writer)

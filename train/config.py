@@ -43,7 +43,9 @@ class ParallelConfig:
     ep: int = 1
     cp: int = 1
     ep_replicas: bool = True  # MoonEP dynamic expert replicas (every EP rank gets the same load)
-    reshard_after_forward: bool = True  # FSDP; layers under pp > 1 always keep them gathered
+    # FSDP: false keeps each unit gathered for the whole step (every micro-batch), one
+    # all-gather per unit per step; layers under pp > 1 always keep them gathered
+    reshard_after_forward: bool = True
     # GPipe | 1F1B | Interleaved1F1B | LoopedBFS | InterleavedZeroBubble | ZBVZeroBubble
     pp_schedule: str = "1F1B"
     pp_virtual_stages: int = 1  # stages per pp rank (2+ for the interleaved schedules)

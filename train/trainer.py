@@ -333,7 +333,8 @@ def train_step(pm: ParallelModel, optimizer: torch.optim.Optimizer, batches: lis
         else:
             loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
             for i, mb in enumerate(batches):
-                set_gradient_sync(model, i == len(batches) - 1)
+                set_gradient_sync(model, i == len(batches) - 1,
+                                  keep_gathered=pm.keep_gathered)
                 ids = to_device(mb["input_ids"], env.device)  # pinned, non-blocking on CUDA
                 packing = Packing.from_host(mb["cu_seqlens"], *ids.shape, env.device,
                                             bucket=pm.compiled)

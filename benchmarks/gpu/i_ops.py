@@ -4,7 +4,7 @@ predicted against measured time per call (issue #13).
     python benchmarks/gpu/i_ops.py [--device cuda] [--small] [--top 30]
 
 `benchmarks/roofline.py` `analyze(replay=True)` traces one step of stage f's job (k3_small,
-seq_len 4096, micro_batch 1; the roofline's 4 uneven documents; H200 constants, or H100 / B200
+seq_len 4096, one micro-batch of 1 on one GPU; the roofline's 4 uneven documents; H200 constants, or H100 / B200
 when that is the device) and keeps, per op, its overload and argument specs. Records are grouped
 by (overload, argument specs): a group is one distinct kernel call, made `count` times a step.
 Groups are taken by predicted time per step, largest first, until `--top` were attempted or the
@@ -41,8 +41,10 @@ sys.path.insert(0, str(common.ROOT / "benchmarks"))
 import op_replay  # noqa: E402
 import roofline  # noqa: E402
 
-FULL = ["model=k3_small", "data.seq_len=4096", "data.micro_batch=1", "data.docs_per_row=4"]
-SMALL = ["model=debug", "data.seq_len=128", "data.micro_batch=1", "data.docs_per_row=3"]
+FULL = ["model=k3_small", "data.seq_len=4096", "data.micro_batch=1", "data.global_batch=1",
+        "data.docs_per_row=4"]
+SMALL = ["model=debug", "data.seq_len=128", "data.micro_batch=1", "data.global_batch=1",
+         "data.docs_per_row=3"]
 MAX_BATCHES, MIN_BATCHES, BATCH_S = 15, 3, 1e-3
 END_MARGIN_S = 3.0  # left for the JSON line
 LIST_NOT_REPLAYED = 12
@@ -61,7 +63,7 @@ class Group:
         first = records[0]
         self.name = first.name
         self.replay = first.replay
-        self.count = len(records)
+        self.count = sum(r.count for r in records)  # calls per step (micro-batches included)
         self.per_call_s = sum(r.time(gpu) for r in records) / self.count
         self.total_s = self.per_call_s * self.count
         cats = Counter(r.category for r in records)
@@ -221,7 +223,7 @@ def main(ctx: common.Ctx, out: dict) -> bool:
     gpu = gpu_constants(ctx)
     out.update(overrides=overrides, gpu_constants=gpu, top=ctx.args.top)
     t = time.perf_counter()
-    summary, records = roofline.analyze(overrides, gpu, replay=True)
+    summary, records = roofline.analyze(overrides, gpu, world=1, replay=True)
     out.update(analysis_s=time.perf_counter() - t, preset=summary["preset"],
                tokens=summary["tokens"], kernels=summary["kernels"],
                predicted_step_s=summary["predicted_step_s"],

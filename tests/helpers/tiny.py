@@ -33,7 +33,7 @@ def packed_batch(batch: int = 2, seq: int = 64, seed: int = 0, vocab: int = 512)
     return ids, flat.view(batch, seq), cu
 
 
-def fsdp_debug_pair(world: int, seed: int = 5):
+def fsdp_debug_pair(world: int, seed: int = 5, reshard_after_forward: bool = True):
     """(the debug model FSDP2-sharded over `world` data ranks, the same model on one device),
     initialised alike; call inside a process group of `world` ranks."""
     from model.init import init_weights
@@ -43,7 +43,7 @@ def fsdp_debug_pair(world: int, seed: int = 5):
 
     mesh = ParallelDims.from_config(ParallelConfig(), world).build_meshes("cpu").dp
     sharded = build_model("debug", device="meta")
-    apply_fsdp(sharded, mesh)
+    apply_fsdp(sharded, mesh, reshard_after_forward=reshard_after_forward)
     sharded.to_empty(device="cpu")
     init_weights(sharded, seed=seed, write=dtensor_writer)
     return sharded, build_model("debug", seed=seed)

@@ -102,7 +102,7 @@ def test_document_bounds_and_grouped_gemm_offsets():
 
 @pytest.fixture(scope="module")
 def debug_trace():
-    return roofline.analyze(i_ops.SMALL, "h200", replay=True)
+    return roofline.analyze(i_ops.SMALL, "h200", world=1, replay=True)
 
 
 def test_every_distinct_call_of_a_debug_step_replays_on_meta(debug_trace):

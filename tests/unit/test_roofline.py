@@ -152,7 +152,7 @@ def test_traced_gemm_flops_equal_6_tokens_gemm_params(debug_step):
             n += sum(p.numel() for p in mod.parameters()) * cfg.num_experts_per_token \
                 // cfg.num_experts
     expected = 6 * tokens * n + 2 * cfg.vocab_size * cfg.hidden_size * tokens
-    gemm = sum(r.flops for r in records if r.category == "gemm")
+    gemm = sum(r.count * r.flops for r in records if r.category == "gemm")
     assert gemm == pytest.approx(expected, rel=1e-12)
     assert summary["by_category"]["gemm"]["flops"] == pytest.approx(expected, rel=1e-12)
     assert summary["model_flops"] > 0
@@ -186,7 +186,8 @@ def test_comm_bytes_follow_the_layout():
     cfg, d = job.model, job.job.data
     by_dim, detail = roofline.comm_bytes(job, K3Model(cfg, device="meta"), None)
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
-    tokens = d.micro_batch * d.seq_len / 2  # per tp rank (sequence parallel)
+    assert job.micro_batches == d.global_batch // (job.dims.dp * d.micro_batch) == 4
+    tokens = 4 * d.micro_batch * d.seq_len / 2  # per step and tp rank (sequence parallel)
     ep_tokens = 2 * 2 * tokens * cfg.num_experts_per_token * cfg.routed_expert_hidden_size * 2 \
         * (1 / 2) * moe_layers
     assert detail["ep_tokens"] == round(ep_tokens) and by_dim["ep"] > ep_tokens
@@ -230,3 +231,46 @@ def test_compiled_pointwise_chain_is_one_kernel_reading_x_writing_y():
     assert unmatched == {} and len(regions.regions) == 1
     assert [(r.name, r.kernels, r.nbytes) for r in records] == [
         ("inductor.pointwise", 1, 2 * 1024 * 64 * 4)]
+
+
+def test_gradient_accumulation_repeats_forward_backward_not_the_step(debug_step):
+    """data.global_batch = 2 x dp x micro_batch: forward and backward run twice, the QB update,
+    clip and AdamW once; FSDP2 adds its fp32 gradient accumulator (one copy after the first
+    backward, one add after the second, a kernel per parameter tensor); the trainer's FLOPs and
+    tokens double."""
+    one, _, one_records, job = debug_step
+    two, records = roofline.analyze([*SMALL, "data.global_batch=32"], gpu="h200")
+    assert (one["micro_batches"], two["micro_batches"]) == (1, 2)
+    assert two["tokens"] == 2 * one["tokens"] and two["model_flops"] == 2 * one["model_flops"]
+    for phase in ("forward", "backward"):
+        assert two["by_phase"][phase] == pytest.approx(2 * one["by_phase"][phase], rel=1e-9)
+    assert two["by_phase"]["step_end"] == pytest.approx(one["by_phase"]["step_end"], rel=1e-9)
+    adam = lambda rs: sum(r.time(roofline.GPUS["h200"]) for r in rs  # noqa: E731
+                          if r.phase == "optimizer" and not r.name.startswith("fsdp."))
+    assert adam(records) == pytest.approx(adam(one_records), rel=1e-9)
+    model = K3Model(job.model, device="meta")
+    params = sum(p.numel() for p in model.parameters())
+    tensors = len(list(model.parameters()))
+    by_name = {r.name: r for r in records if r.name.startswith("fsdp.")}
+    assert (by_name["fsdp.grad_to_fp32"].count, by_name["fsdp.grad_accumulate"].count) == (1, 1)
+    assert by_name["fsdp.grad_accumulate"].kernels == tensors
+    assert by_name["fsdp.grad_accumulate"].nbytes == 10 * params  # fp32 += bf16
+    assert by_name["fsdp.all_gather_copy_in"].count == 2  # regathered each micro-batch
+    assert not any(r.name.startswith("fsdp.grad_") for r in one_records)
+    assert two["comm_bytes"]["dp_shard"] > one["comm_bytes"]["dp_shard"]
+
+
+def test_kept_gathered_units_copy_once_per_step():
+    """parallel.reshard_after_forward=false: every unit is gathered once per step, however many
+    micro-batches (parallel.fsdp.set_gradient_sync(keep_gathered=True))."""
+    model = K3Model(roofline.load_config(SMALL).model, device="meta")
+    units = roofline._fsdp_units(model, None, reshard=False)
+    assert [g for _, g, _ in units] == [1] * (len(model.decoder_layers()) + 1)
+    assert sum(t for _, _, t in units) == len(list(model.parameters()))
+    trace = roofline.Trace()
+    roofline._fsdp_copies(trace, units, micro_batches=4, keep_gathered=True)
+    copy_in = next(r for r in trace.records if r.name == "fsdp.all_gather_copy_in")
+    assert (copy_in.count, copy_in.kernels) == (1, len(units))
+    assert copy_in.nbytes == 6 * sum(p.numel() for p in model.parameters())
+    reshard = roofline._fsdp_units(model, None)
+    assert sum(g for _, g, _ in reshard) == 2 * len(units) - 2  # last layer, root: 1
