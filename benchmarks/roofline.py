@@ -29,9 +29,10 @@ packed documents (`data.docs_per_row`, our knob, default 4 per row; document i o
 counted N times: `OpRecord.count`), then once gradient clipping
 (`parallel.grads.clip_grad_norm`), the AdamW step (`train.optim.build_optimizer`: torch's fused
 AdamW, its CUDA choice) and the router-bias update (Quantile Balancing, phase `step_end`).
-`tokens` and `model_flops` are the step's (N micro-batches); `doc_lengths` one micro-batch's. `--layer N` traces decoder layer N alone
-(AttnRes inputs of the right depth, like tests/unit/test_gpu_ready.py's `_k3_layer_step`) plus
-its parameters' optimizer step: needed for the full `k3`, whose whole step is too large to trace.
+`tokens` and `model_flops` are the step's (N micro-batches); `doc_lengths` one micro-batch's.
+`--layer N` traces decoder layer N alone (AttnRes inputs of the right depth, like
+tests/unit/test_gpu_ready.py's `_k3_layer_step`) plus its parameters' optimizer step: needed for
+the full `k3`, whose whole step is too large to trace.
 
 * Forward and backward run under `FakeTensorMode` on CPU-device fake tensors (bf16 parameters
   and activations) inside `model.ops.backends.force_cuda_backends()`, so every op takes its
