@@ -5,8 +5,9 @@ predicted against measured time per call (issue #13).
 
 `benchmarks/roofline.py` `analyze(replay=True)` traces one step of stage f's job (k3_small,
 seq_len 4096, one micro-batch of 1 on one GPU; the roofline's 4 uneven documents; H200
-constants, or H100 / B200 when that is the device) and keeps, per op, its overload and argument specs. Records are grouped
-by (overload, argument specs): a group is one distinct kernel call, made `count` times a step.
+constants, or H100 / B200 when that is the device) and keeps, per op, its overload and
+argument specs. Records are grouped by (overload, argument specs): a group is one distinct
+kernel call, made `count` times a step.
 Groups are taken by predicted time per step, largest first, until `--top` were attempted or the
 budget runs low; each is replayed on random tensors of the recorded sizes, strides and dtypes
 (`op_replay.py`), under no_grad.
