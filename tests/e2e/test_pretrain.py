@@ -2,7 +2,9 @@
 
 The runs are shared by the tests of this module (each costs seconds): A = 2 ranks straight to
 step 12; B = 2 ranks stopped at 8 (A and B in one launch, `pretrain_many`), then resumed by the
-launcher's same command; C = 1 rank straight, counting host synchronisations.
+launcher's same command; C = 1 rank straight, counting host synchronisations. A and B keep
+their FSDP units gathered over each step's 2 micro-batches (`parallel.reshard_after_forward=
+false`), so A against C also checks that gradient accumulation.
 Resuming on another world size and layout: `test_tensor_pipeline.py`.
 """
 
@@ -15,6 +17,7 @@ import pytest
 from tests.helpers.runs import losses, metrics, pretrain, pretrain_many, sample_ids
 
 STEPS = ["train.steps=12", "checkpoint.interval=4"]
+KEPT = [*STEPS, "parallel.reshard_after_forward=false"]
 
 
 def assert_losses_match(got: dict[int, float], ref: dict[int, float]) -> None:
@@ -35,9 +38,9 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
     out = {}
     out["A"], out["B"] = root / "A", root / "B"
-    pretrain_many([(out["A"], STEPS), (out["B"], [*STEPS, "train.stop_at_step=8"])], nproc=2)
+    pretrain_many([(out["A"], KEPT), (out["B"], [*KEPT, "train.stop_at_step=8"])], nproc=2)
     out["B_first"] = losses(out["B"])
-    pretrain(out["B"], *STEPS, nproc=2)  # the same command: resumes from step 8
+    pretrain(out["B"], *KEPT, nproc=2)  # the same command: resumes from step 8
     out["C"] = root / "C"
     pretrain(out["C"], *STEPS, "train.count_host_syncs=true", nproc=1)
     return out
