@@ -94,9 +94,9 @@ Categories (documented rule, first match wins): (1) the op: matmul-like -> gemm,
 kernels -> attention, KDA kernels -> kda; (2) the optimizer phase -> optimizer; (3) the
 innermost Python frame in `model/`: attnres.py / ops/attnres.py and the block-snapshot `cat`
 in decoder.py -> attnres; Router.* in moe.py, dispatch.py, balancing.py, ops/grouped_gemm.py
-glue, ops/combine.py -> moe_routing; loss.py -> loss; ops/attention.py glue -> attention;
-ops/kda.py glue -> kda; anything else in model/ (norms, short convs, SiTU, gates, residual
-adds, casts, the embedding) -> elementwise_norm; (4) in backward, ops of C++ autograd nodes
+glue, ops/combine.py -> moe_routing; loss.py, ops/ce_grad.py -> loss; ops/attention.py glue
+-> attention; ops/kda.py glue -> kda; anything else in model/ (norms, short convs, SiTU, gates,
+residual adds, casts, the embedding) -> elementwise_norm; (4) in backward, ops of C++ autograd nodes
 have no model frame:
 a TorchFunctionMode tags, during forward, each autograd node a torch call creates (its output's
 `grad_fn` and the new nodes behind it) in `Node.metadata` with the category of the call site,
@@ -201,7 +201,7 @@ FORMULA_OPS = {"k3.grouped_mm", "k3.grouped_mm_wgrad", "k3.varlen_attention",
 # our fused kernels (one launch each; bytes = inputs + outputs, 1 vector FLOP per element)
 FUSED_OPS = {"k3.attnres_mix", "k3.attnres_mix_bwd", "k3.situ_glu", "k3.situ_glu_bwd",
              "k3.short_conv", "k3.short_conv_bwd", "k3.row_norm", "k3.row_norm_bwd",
-             "k3.moe_combine", "k3.moe_combine_bwd", "k3.mx_cast"}
+             "k3.moe_combine", "k3.moe_combine_bwd", "k3.mx_cast", "k3.ce_logit_grad"}
 KERNELS = {"k3.chunk_kda_fla": 6, "k3.chunk_kda_fla_bwd": 16, "k3.varlen_attention": 3,
            "k3.varlen_attention_backward": 8}
 # KDA's prologue in fla (the ops' last argument, gate_in_kernel): forward 2 l2norm kernels and
@@ -460,7 +460,7 @@ _FILE_CATEGORY = {
     "attnres.py": "attnres", "ops/attnres.py": "attnres",
     "dispatch.py": "moe_routing", "balancing.py": "moe_routing",
     "ops/grouped_gemm.py": "moe_routing", "ops/combine.py": "moe_routing", "loss.py": "loss",
-    "ops/attention.py": "attention", "ops/kda.py": "kda",
+    "ops/ce_grad.py": "loss", "ops/attention.py": "attention", "ops/kda.py": "kda",
 }
 _frame_cache: dict[tuple[str, str, bool], str] = {}
 

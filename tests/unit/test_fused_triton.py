@@ -30,8 +30,11 @@ ROOT = Path(__file__).resolve().parents[2]
 _SCRIPT = r"""
 import json
 import torch
-from model.ops import (attnres_triton, combine_triton, rms_norm_triton, short_conv_triton,
-                       situ_triton)
+import torch.nn.functional as F
+from model.loss import chunked_cross_entropy
+from model.ops import (attnres_triton, ce_grad_triton, combine_triton, rms_norm_triton,
+                       short_conv_triton, situ_triton)
+from model.ops.ce_grad import ce_logit_grad
 from model.ops.combine import weighted_combine, weighted_combine_reference
 from model.ops.rms_norm import (gated_rms_norm, gated_rms_norm_reference, l2_norm,
                                 l2_norm_reference, rms_norm, rms_norm_reference)
@@ -50,7 +53,8 @@ for mod, names in ((attnres_triton, ("mix_fwd", "mix_bwd")),
                    (situ_triton, ("situ_fwd", "situ_bwd")),
                    (short_conv_triton, ("conv_fwd", "conv_bwd")),
                    (rms_norm_triton, ("norm_fwd", "norm_bwd")),
-                   (combine_triton, ("combine_fwd", "combine_bwd"))):
+                   (combine_triton, ("combine_fwd", "combine_bwd")),
+                   (ce_grad_triton, ("ce_grad",))):
     for n in names:
         counted(mod, n)
 
@@ -135,6 +139,30 @@ for S, k, l in [(5, 2, 8), (37, 8, 300), (3, 1, 20)]:  # tokens over one tile, l
                              lambda a, b: weighted_combine_reference(a, order, b),
                              [torch.randn(S * k, l).to(dtype), torch.rand(S, k)])
         assert out.dtype == torch.float32 and grads[0].dtype == dtype
+n, V = 37, 5000  # two vocabulary blocks, the second partial; ignored rows
+labels = torch.randint(0, V, (n,))
+labels[::5] = -100
+for dtype in (torch.float32, torch.bfloat16):
+    logits = torch.randn(n, V) * 4
+    scale = torch.rand(n) * (labels != -100)
+    out = ce_logit_grad(logits, torch.logsumexp(logits, 1), labels, scale, dtype)
+    ref = torch.softmax(logits.double(), 1)  # the oracle: softmax minus onehot, times scale
+    hit = labels >= 0
+    ref[torch.arange(n)[hit], labels[hit]] -= 1.0
+    ref = ref * scale.double()[:, None]
+    assert out.dtype == dtype
+    worst[f"ce {dtype}"] = float(((out.double() - ref).abs()
+                                  / (ref.abs() + scale.double()[:, None] / V)
+                                  .clamp_min(1e-30)).max())  # ignored rows: 0 and 0
+# the chunked loss on the kernel path (4 chunks, then 1) against F.cross_entropy in float64
+h = torch.randn(50, 16)
+w = torch.randn(V, 16) * 0.3
+y = torch.randint(0, V, (50,))
+y[::7] = -100
+for chunk in (16, 64):
+    compare("ce loss", lambda a, b: chunked_cross_entropy(a, b, y, chunk_tokens=chunk)[0],
+            lambda a, b: F.cross_entropy(a @ b.T, y, ignore_index=-100, reduction="sum"),
+            [h, w])
 print(json.dumps({"worst": worst, "calls": calls}))
 """
 
@@ -143,7 +171,7 @@ def test_triton_kernels_interpreted() -> None:
     pytest.importorskip("triton", reason="triton not installed: the Triton kernels are untested")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT),
                K3_ATTNRES_BACKEND="triton", K3_SITU_BACKEND="triton", K3_CONV_BACKEND="triton",
-               K3_NORM_BACKEND="triton", K3_COMBINE_BACKEND="triton")
+               K3_NORM_BACKEND="triton", K3_COMBINE_BACKEND="triton", K3_CE_BACKEND="triton")
     proc = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -151,7 +179,7 @@ def test_triton_kernels_interpreted() -> None:
     worst, calls = out["worst"], out["calls"]
     assert calls == {"mix_fwd": 8, "mix_bwd": 8, "situ_fwd": 2, "situ_bwd": 2, "conv_fwd": 6,
                      "conv_bwd": 6, "norm_fwd": 18, "norm_bwd": 18,
-                     "combine_fwd": 6, "combine_bwd": 6}, calls
+                     "combine_fwd": 6, "combine_bwd": 6, "ce_grad": 7}, calls
     assert worst["attnres torch.float32"] < 2e-5, worst
     assert worst["attnres torch.bfloat16"] < 2e-2, worst  # bf16 outputs: ~2^-8 rounding
     assert worst["situ torch.float32"] < 5e-6, worst
@@ -162,3 +190,6 @@ def test_triton_kernels_interpreted() -> None:
     assert worst["norm torch.bfloat16"] < 2e-2, worst
     assert worst["combine torch.float32"] < 1e-5, worst
     assert worst["combine torch.bfloat16"] < 2e-2, worst
+    assert worst["ce torch.float32"] < 1e-5, worst
+    assert worst["ce torch.bfloat16"] < 1e-2, worst
+    assert worst["ce loss"] < 1e-5, worst
