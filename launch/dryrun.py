@@ -12,9 +12,12 @@ parallel.cp > 1, also the context-parallel bytes each rank moves per layer and m
 `context_parallel_mib`). No tensor is allocated.
 
 Bytes per rank (`state_gib`): fp32 master weights + fp32 gradients + AdamW's two fp32 moments
-(16 B per local parameter; Muon's matrices keep one momentum: 12 B), plus, under PP (layers
-keep their gathered weights between micro-batches), the gathered compute-dtype weights of the
-rank's layers (`gathered_weights_gib`). With `optim=muon`: the matrices that go to owner ranks
+(16 B per local parameter; Muon's matrices keep one momentum: 12 B), plus, under PP or with
+`parallel.reshard_after_forward=false` (layers keep their gathered weights between
+micro-batches), the gathered compute-dtype weights of the rank's layers
+(`gathered_weights_gib`), and, with more than one micro-batch per step, what FSDP2's unsharded
+gradient accumulator holds beyond the sharded gradient (`grad_accumulator_gib`: the gathered
+parameters less the local ones, in the reduce dtype). With `optim=muon`: the matrices that go to owner ranks
 and the most bytes any data rank sends per step in Muon's two exchanges (`muon_exchange_gib`,
 fp32).
 
@@ -23,7 +26,7 @@ traces) in the cluster's `param_dtype` (bf16 on the GPU clusters; a GPU cluster 
 here without a GPU): `activation_gib_per_micro_batch` under each `parallel.activation_checkpoint`
 mode, `micro_batches_in_flight` under the pipeline schedule, `activation_working_gib` (the
 backward's extra peak, an estimate) and `activation_total_gib` under the job's mode.
-`total_gib` = state + gathered weights + activations; the summary's `max_rank_total_gib` is the
+`total_gib` = state + gathered weights + gradient accumulator + activations; the summary's `max_rank_total_gib` is the
 fullest rank's. `--docs-per-row N` (default 1) sets the documents per row, which KCP's
 per-document states scale with.
 """
@@ -121,8 +124,12 @@ def describe_rank(job, dims, meshes, pp_rank: int, docs_per_row: int = 1) -> dic
     compute_bytes = DTYPES[job.cluster.param_dtype].itemsize
     # under PP every layer of the rank stays gathered between micro-batches; experts gathered
     # by FSDP only when ep < dp_shard x tp (else they are never sharded beyond ep)
+    fsdp_gathered = gathered_dense + (gathered_expert if dims.edp > 1 else local_expert)
     gathered = (gathered_dense + (gathered_expert if dims.edp > 1 else 0)) * compute_bytes \
-        if dims.pp > 1 else 0
+        if dims.pp > 1 or not job.parallel.reshard_after_forward else 0
+    n_micro = job.data.global_batch // (dims.dp * job.data.micro_batch)
+    accumulator = ((fsdp_gathered - local_dense - local_expert)
+                   * DTYPES[job.cluster.reduce_dtype].itemsize if n_micro > 1 else 0)
     local = local_dense + local_expert
     layers = sorted(int(k) for k in out.model.layers.keys())
     extra = {}
@@ -135,8 +142,8 @@ def describe_rank(job, dims, meshes, pp_rank: int, docs_per_row: int = 1) -> dic
             default=0) / 2**30, 3)
         extra["muon_owner_matrices"] = sum(len(e.shapes) for e in plans)
     extra.update(rank_activations(job, dims, pp_rank, out.stages or [0], layers, docs_per_row))
-    extra["total_gib"] = round((state_bytes + gathered) / 2**30 + extra["activation_total_gib"],
-                               3)
+    extra["total_gib"] = round((state_bytes + gathered + accumulator) / 2**30
+                               + extra["activation_total_gib"], 3)
     return {**extra,
         "pp_rank": pp_rank,
         "stages": out.stages or [0],
@@ -148,6 +155,8 @@ def describe_rank(job, dims, meshes, pp_rank: int, docs_per_row: int = 1) -> dic
         "state_gib": round(state_bytes / 2**30, 3),
         "state_mib": round(state_bytes / 2**20, 2),
         "gathered_weights_gib": round(gathered / 2**30, 3),
+        "grad_accumulator_gib": round(accumulator / 2**30, 3),
+        "micro_batches": n_micro,
     }
 
 

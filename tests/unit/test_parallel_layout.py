@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from model.config import ConfigError, load_model_config
+from model.build import build_model
 from parallel.dims import ParallelDims
 from parallel.pipeline import layer_costs, split_stages, stage_indices, stage_io_meta
 from train.config import ParallelConfig
@@ -149,3 +150,23 @@ def test_zero_bubble_schedules_need_torch_2_13():
         assert not zero_bubble_unsupported(zb, (3, 0))
     interleaved = ParallelConfig(pp=2, pp_schedule="Interleaved1F1B", pp_virtual_stages=2)
     assert not zero_bubble_unsupported(interleaved, (2, 11))
+
+
+def test_dry_run_counts_the_gradient_accumulator_and_kept_gathered_weights():
+    """k3_small on dp_shard 2 (local_cpu: fp32 weights and reduction): with 2 micro-batches per
+    step FSDP2's accumulator holds the whole gathered gradient, 4 B per parameter beyond the
+    local shard; with one micro-batch, nothing; parallel.reshard_after_forward=false keeps the
+    gathered weights (4 B per parameter) for the step."""
+    base = ["--world", "2", "model=k3_small", "data.micro_batch=2", "data.seq_len=256"]
+    one, two, kept = _dry_runs([*base, "data.global_batch=4"], [*base, "data.global_batch=8"],
+                               [*base, "data.global_batch=8",
+                                "parallel.reshard_after_forward=false"])
+    assert (one["micro_batches"], two["micro_batches"]) == (1, 2)
+    assert one["grad_accumulator_gib"] == 0 and one["gathered_weights_gib"] == 0
+    full = sum(p.numel() for p in build_model("k3_small", device="meta").parameters())
+    local = one["local_params"]
+    assert full / 2 <= local < full / 2 + 1e6  # dim 0 padded to even
+    assert two["grad_accumulator_gib"] == pytest.approx(4 * (full - local) / 2**30, abs=2e-3)
+    assert two["total_gib"] == pytest.approx(one["total_gib"] + two["grad_accumulator_gib"],
+                                             abs=2e-3)
+    assert kept["gathered_weights_gib"] == pytest.approx(4 * full / 2**30, abs=2e-3)
