@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.config import ConfigError, load_model_config
 from model.build import build_model
+from model.config import ConfigError, load_model_config
 from parallel.dims import ParallelDims
 from parallel.pipeline import layer_costs, split_stages, stage_indices, stage_io_meta
 from train.config import ParallelConfig
