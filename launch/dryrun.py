@@ -17,17 +17,17 @@ Bytes per rank (`state_gib`): fp32 master weights + fp32 gradients + AdamW's two
 micro-batches), the gathered compute-dtype weights of the rank's layers
 (`gathered_weights_gib`), and, with more than one micro-batch per step, what FSDP2's unsharded
 gradient accumulator holds beyond the sharded gradient (`grad_accumulator_gib`: the gathered
-parameters less the local ones, in the reduce dtype). With `optim=muon`: the matrices that go to owner ranks
-and the most bytes any data rank sends per step in Muon's two exchanges (`muon_exchange_gib`,
-fp32).
+parameters less the local ones, in the reduce dtype). With `optim=muon`: the matrices that go
+to owner ranks and the most bytes any data rank sends per step in Muon's two exchanges
+(`muon_exchange_gib`, fp32).
 
 Activations (`parallel.activation_memory`, an analytic model checked against fake-tensor
 traces) in the cluster's `param_dtype` (bf16 on the GPU clusters; a GPU cluster is accepted
 here without a GPU): `activation_gib_per_micro_batch` under each `parallel.activation_checkpoint`
 mode, `micro_batches_in_flight` under the pipeline schedule, `activation_working_gib` (the
 backward's extra peak, an estimate) and `activation_total_gib` under the job's mode.
-`total_gib` = state + gathered weights + gradient accumulator + activations; the summary's `max_rank_total_gib` is the
-fullest rank's. `--docs-per-row N` (default 1) sets the documents per row, which KCP's
+`total_gib` = state + gathered weights + gradient accumulator + activations; the summary's
+`max_rank_total_gib` is the fullest rank's. `--docs-per-row N` (default 1) sets the documents per row, which KCP's
 per-document states scale with.
 """
 
