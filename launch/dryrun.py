@@ -27,8 +27,8 @@ here without a GPU): `activation_gib_per_micro_batch` under each `parallel.activ
 mode, `micro_batches_in_flight` under the pipeline schedule, `activation_working_gib` (the
 backward's extra peak, an estimate) and `activation_total_gib` under the job's mode.
 `total_gib` = state + gathered weights + gradient accumulator + activations; the summary's
-`max_rank_total_gib` is the fullest rank's. `--docs-per-row N` (default 1) sets the documents per row, which KCP's
-per-document states scale with.
+`max_rank_total_gib` is the fullest rank's. `--docs-per-row N` (default 1) sets the documents
+per row, which KCP's per-document states scale with.
 """
 
 from __future__ import annotations
