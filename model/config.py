@@ -90,6 +90,10 @@ class ModelConfig:
     mtp_attn_res_blocks: list[int] = field(default_factory=list)
     # --- training-side knobs that change no weight ---
     loss_chunk_tokens: int = 4096  # tokens per LM-head chunk in the loss
+    # the loss's input and head gradients formed in its forward from the logits it has (no
+    # second logit GEMM in backward) and kept until backward: + [vocab, hidden] fp32 per
+    # micro-batch in flight; false recomputes the logits in backward instead
+    loss_grads_in_forward: bool = True
 
     # ------------------------------------------------------------------ derived
     @property

@@ -14,6 +14,8 @@ nothing is cached in module state. Layer flow (0-based idx, §3.3 / §8):
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -113,7 +115,8 @@ class K3Model(nn.Module):
         self.mtp_loss_sums: list[torch.Tensor] = []
         # (h, head weight, labels, chunk) -> (loss sum, target count); tensor parallelism swaps
         # in the vocabulary-parallel version, like the MoE layer's dispatcher
-        self.cross_entropy = chunked_cross_entropy
+        self.cross_entropy = functools.partial(chunked_cross_entropy,
+                                               grads_in_forward=cfg.loss_grads_in_forward)
         # context parallelism (`parallel.context_parallel`): (rank, size) of this rank's slice
         # of every row; forwards then take whole rows of token ids (MTP embeds each slice's next
         # tokens, the last of which opens the next slice) and labels for the slice only

@@ -1,14 +1,20 @@
 """Token cross-entropy without materialising [tokens, vocab] fp32 logits at once.
 
-A custom autograd function runs the LM head over chunks of tokens: the forward keeps the loss
-sum and each token's log-sum-exp ([N] fp32); the backward recomputes each chunk's logits and
-forms (softmax - onehot) x scale in one pass (`model.ops.ce_grad`: our Triton kernel on CUDA,
-reading the fp32 logits once and writing the activation dtype), then @ W and its transpose.
+A custom autograd function runs the LM head over chunks of tokens; per chunk it forms the fp32
+logits, each token's log-sum-exp and the loss sum, and (softmax - onehot) x keep in one pass
+over the logits (`model.ops.ce_grad`: our Triton kernel on CUDA, reading the fp32 logits once
+and writing the activation dtype). The loss sum is linear in what flows into it, so the input
+and head gradients for an upstream gradient of 1 are formed right there in the forward, from
+the logits it already has (`grads_in_forward`, the default: `model.loss_grads_in_forward`),
+and the backward only scales them: the LM head's GEMMs run 3 times a step, not 4, at the cost
+of keeping d hidden [N, d] and d head [V, d] in fp32 from forward to backward. With
+`grads_in_forward=False` the forward keeps the inputs and the log-sum-exp and the backward
+recomputes the logits. A forward that needs no gradient (evaluation) forms none.
+
 Peak extra memory is one chunk of fp32 logits; no autograd graph is built over the vocabulary.
-Logits are fp32; the two backward GEMMs run in the activation dtype (bf16 on GPU) with fp32
-accumulation, and the head weight is cast at most once per backward, never per chunk. The
-head's gradient accumulates over chunks in fp32, or, with one chunk, comes straight out of its
-GEMM. Returns the loss sum so the trainer can divide by the global token count.
+The two gradient GEMMs run in the activation dtype (bf16 on GPU) with fp32 accumulation and
+fp32 results, and the head weight is cast at most once, never per chunk. Returns the loss sum
+so the trainer can divide by the global token count.
 """
 
 from __future__ import annotations
@@ -40,28 +46,59 @@ def _chunk_logits(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return mm_fp32_out(h, w.t())  # [n, vocab] fp32 (fp64 for fp64 inputs)
 
 
+def _scaled(t: torch.Tensor, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t x grad written in `dtype` (one kernel)."""
+    return torch.mul(t, grad.to(t.dtype), out=torch.empty(t.shape, dtype=dtype, device=t.device))
+
+
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor,  # type: ignore[override]
-                chunk: int) -> torch.Tensor:
+                chunk: int, grads_in_forward: bool) -> torch.Tensor:
         compute = torch.promote_types(h.dtype, torch.float32)
         total = torch.zeros((), dtype=compute, device=h.device)
         lse = torch.empty(h.shape[0], dtype=compute, device=h.device)
+        keep = (labels != IGNORE_INDEX).to(compute)
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        early = grads_in_forward and (need_h or need_w)
+        w_act = w.to(h.dtype)  # the head weight in the activation dtype, cast once
+        dh = torch.empty(h.shape, dtype=compute, device=h.device) if early and need_h else None
+        dw = None
         for s in range(0, h.shape[0], chunk):  # a loop over chunks of tokens, not tokens
-            logits = _chunk_logits(h[s:s + chunk], w)
-            y = labels[s:s + chunk]
-            keep = y != IGNORE_INDEX
+            e = s + chunk
+            logits = _chunk_logits(h[s:e], w)
+            y = labels[s:e]
             picked = logits.gather(1, y.clamp(min=0).unsqueeze(1)).squeeze(1)  # [n]
-            lse[s:s + chunk] = torch.logsumexp(logits, 1)
-            total = total + ((lse[s:s + chunk] - picked) * keep).sum()
-        ctx.save_for_backward(h, w, labels, lse)
-        ctx.chunk = chunk
+            lse[s:e] = torch.logsumexp(logits, 1)
+            total = total + ((lse[s:e] - picked) * keep[s:e]).sum()
+            if early:
+                p = ce_logit_grad(logits, lse[s:e], y, keep[s:e], h.dtype)
+                del logits
+                if dh is not None:
+                    dh[s:e] = mm_fp32_out(p, w_act)
+                if need_w:
+                    g = mm_fp32_out(p.t(), h[s:e])
+                    dw = g if dw is None else dw.add_(g)
+        ctx.chunk, ctx.early = chunk, early
+        ctx.dtypes = (h.dtype, w.dtype)
+        if early:
+            if need_w and dw is None:  # no tokens
+                dw = torch.zeros(w.shape, dtype=compute, device=w.device)
+            ctx.save_for_backward(dh, dw)
+        else:
+            ctx.save_for_backward(h, w, labels, lse)
         return total
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        h_dtype, w_dtype = ctx.dtypes
+        if ctx.early:  # d loss_sum / d (h, w) at an upstream gradient of 1: scale them
+            dh1, dw1 = ctx.saved_tensors
+            dh = _scaled(dh1, grad, h_dtype) if dh1 is not None else None
+            dw = _scaled(dw1, grad, w_dtype) if dw1 is not None else None
+            return dh, dw, None, None, None
         h, w, labels, lse = ctx.saved_tensors
-        w_act = w.to(h.dtype)  # the head weight in the activation dtype, cast once
+        w_act = w.to(h.dtype)
         dh = torch.empty_like(h)
         scale = (labels != IGNORE_INDEX).to(lse.dtype) * grad.to(lse.dtype)  # [N]
         starts = range(0, h.shape[0], ctx.chunk)
@@ -69,8 +106,6 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         for s in starts:
             e = s + ctx.chunk
             hc = h[s:e]
-            # d loss_sum / d logits in the activation dtype: both GEMMs below run there
-            # (fp32 accumulation inside)
             p = ce_logit_grad(_chunk_logits(hc, w_act), lse[s:e], labels[s:e], scale[s:e],
                               h.dtype)
             dh[s:e] = p @ w_act
@@ -82,11 +117,13 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                 dw += mm_fp32_out(p.t(), hc)
         if dw is None:  # no tokens
             dw = torch.zeros_like(w)
-        return dh, dw.to(w.dtype), None, None
+        return dh, dw.to(w.dtype), None, None, None
 
 
 def chunked_cross_entropy(h: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor,
-                          chunk_tokens: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+                          chunk_tokens: int = 4096, grads_in_forward: bool = True
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """h [N, d], head_weight [V, d], labels [N] -> (loss sum fp32, target-token count)."""
     n_tokens = (labels != IGNORE_INDEX).sum()
-    return _ChunkedCrossEntropy.apply(h, head_weight, labels, chunk_tokens), n_tokens
+    early = grads_in_forward and torch.is_grad_enabled()  # (the forward itself runs without)
+    return _ChunkedCrossEntropy.apply(h, head_weight, labels, chunk_tokens, early), n_tokens

@@ -15,7 +15,9 @@ counts per rank: S = B x T / cp inside tensor-parallel regions (attention, dense
 experts: their input is all-gathered over tp), s = S / tp outside them (norms, AttnRes, the
 router and routed experts); heads and MLP columns divide by tp. Routed experts receive s x k
 rows (balanced: MoonEP's replicas even the load); with replicas each MoE layer also keeps the
-[2 x E/ep] gathered expert weights its GEMMs saved.
+[2 x E/ep] gathered expert weights its GEMMs saved. The chunked loss (main head and MTP's)
+keeps its input and labels, or, with `model.loss_grads_in_forward` on one tp rank, the
+gradients it formed in forward: d hidden [S, d] and d head [V, d], fp32.
 
 `activation_checkpoint`: `none` keeps everything above; `full` keeps each layer's output (the
 next layer's input) and the AttnRes snapshots, and recomputes one layer at a time in backward;
@@ -30,6 +32,7 @@ dry run's state bytes hold them).
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import dataclass
 
 from model.config import ModelConfig
@@ -208,17 +211,23 @@ def _kept(terms: list[Term], ac: str) -> int:
 def _loss_terms(cfg: ModelConfig, sh: Shard, blocks: int) -> list[Term]:
     """The output mix, final norm and LM head's chunked loss (and the MTP module)."""
     s, S, a, d = sh.seq, sh.tokens, sh.act, cfg.hidden_size
+    # the chunked loss (model.loss) keeps its input and labels, or, with its gradients formed
+    # in forward (one rank of tp; the vocabulary-parallel head recomputes), d hidden and d head
+    # in fp32, for the main head and for MTP's
+    early = cfg.loss_grads_in_forward and sh.tp == 1
+    head = (Term("head_grads", S * d * F32 + cfg.vocab_size * d * F32) if early
+            else Term("head_in", S * d * a))  # gathered over tp for the vocabulary-parallel head
     terms = [Term("output_mix", s * d * a + 2 * (blocks + 1) * s * F32),
-             Term("final_norm", s * F32),
-             Term("head_in", S * d * a),  # gathered over tp for the vocabulary-parallel head
-             Term("labels", 2 * S * 8)]
+             Term("final_norm", s * F32), head]
+    if not early:
+        terms.append(Term("labels", 2 * S * 8))
     if cfg.num_nextn_predict_layers:
         terms += [Term("mtp.e_next", s * d * a),
                   Term("mtp.norms_rstd", 2 * s * F32),
                   Term("mtp.eh_in", s * 2 * d * a),  # the normed [e_next | h] eh_proj keeps
                   Term("mtp.eh_out", s * d * a),  # the MTP layer's input
                   Term("mtp.head_norm", s * F32),
-                  Term("mtp.head_in", S * d * a)]
+                  dataclasses.replace(head, name="mtp." + head.name)]
         if cfg.mtp_attn_res_blocks:  # h_proj over [chosen snapshots | h], its output normed
             n = len(cfg.mtp_attn_res_blocks) + 1
             terms += [Term("mtp.h_proj_in", n * s * d * a), Term("mtp.h_proj_out", s * d * a)]

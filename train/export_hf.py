@@ -59,7 +59,8 @@ _PER_EXPERT = re.compile(
 _LINEAR = {"kda_head_dim": "head_dim", "kda_num_heads": "num_heads",
            "short_conv_kernel_size": "short_conv_kernel_size",
            "use_full_rank_gate": "use_full_rank_gate", "gate_lower_bound": "gate_lower_bound"}
-_TRAINING_ONLY = ("kda_chunk_size", "qb_num_bins", "loss_chunk_tokens", "mtp_loss_weight")
+_TRAINING_ONLY = ("kda_chunk_size", "qb_num_bins", "loss_chunk_tokens", "loss_grads_in_forward",
+                  "mtp_loss_weight")
 _MTP_OWN = ("enorm", "hnorm", "eh_proj", "h_proj", "shared_head")  # mtp.<these>; else mtp.layer
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 

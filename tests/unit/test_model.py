@@ -78,19 +78,25 @@ def test_cast_keeps_k3_fp32_parameters():
     assert torch.isfinite(s)
 
 
-def test_chunked_loss_equals_full_cross_entropy():
+@pytest.mark.parametrize("grads_in_forward", [True, False])
+def test_chunked_loss_equals_full_cross_entropy(grads_in_forward):
+    """float64 against F.cross_entropy: the loss sum and, for an upstream gradient of 0.37 (the
+    trainer's 1 / tokens), both gradients, whether they are formed in forward or backward."""
     h = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
     w = torch.randn(40, 16, dtype=torch.float64, requires_grad=True)
     y = torch.randint(0, 40, (50,))
     y[::7] = -100
-    s, n = chunked_cross_entropy(h, w, y, chunk_tokens=8)
+    s, n = chunked_cross_entropy(h, w, y, chunk_tokens=8, grads_in_forward=grads_in_forward)
     ref = F.cross_entropy(h @ w.T, y, ignore_index=-100, reduction="sum")
     torch.testing.assert_close(s, ref)
     assert n.item() == (y != -100).sum().item()
-    g1 = torch.autograd.grad(s, (h, w))
-    g2 = torch.autograd.grad(ref, (h, w))
+    g1 = torch.autograd.grad(s * 0.37, (h, w))
+    g2 = torch.autograd.grad(ref * 0.37, (h, w))
     for a, b in zip(g1, g2):
         torch.testing.assert_close(a, b)
+    only_h = torch.autograd.grad(chunked_cross_entropy(h, w.detach(), y, 8, grads_in_forward)[0],
+                                 h)[0]  # the head frozen: d hidden alone
+    torch.testing.assert_close(only_h, g2[0] / 0.37)
 
 
 def test_debug_model_overfits_a_fixed_batch():
@@ -111,13 +117,19 @@ def test_debug_model_overfits_a_fixed_batch():
     assert losses[-1] < 0.1 * losses[0], losses[::5]
 
 
-def test_chunked_loss_backward_gemms_run_in_the_activation_dtype():
-    """bf16 activations: both backward GEMMs take bf16 operands (no per-chunk fp32 copy of the
-    head weight), the logits stay fp32, and the result matches an fp64 oracle to bf16 rounding."""
+@pytest.mark.parametrize("grads_in_forward", [True, False])
+def test_chunked_loss_backward_gemms_run_in_the_activation_dtype(grads_in_forward):
+    """bf16 activations: every head GEMM takes bf16 operands (no per-chunk fp32 copy of the
+    head weight), the logits stay fp32, and the result matches an fp64 oracle to bf16 rounding.
+    Gradients formed in forward: 3 chunks x (logits, d hidden, d head) there and no GEMM in
+    backward; else 3 logit GEMMs forward and 3 x 3 backward (the logits again). Without
+    gradients (evaluation), the logit GEMMs alone."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class MatmulDtypes(TorchDispatchMode):
-        seen: list = []
+        def __init__(self):
+            super().__init__()
+            self.seen = []
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
@@ -130,11 +142,16 @@ def test_chunked_loss_backward_gemms_run_in_the_activation_dtype():
     y = torch.randint(0, 96, (48,), generator=g)
     h = h64.to(torch.bfloat16).requires_grad_()
     w = w64.to(torch.bfloat16).requires_grad_()
-    s, _ = chunked_cross_entropy(h, w, y, chunk_tokens=16)
-    with MatmulDtypes() as mode:
+    with MatmulDtypes() as fwd:
+        s, _ = chunked_cross_entropy(h, w, y, chunk_tokens=16, grads_in_forward=grads_in_forward)
+    with MatmulDtypes() as bwd:
         dh, dw = torch.autograd.grad(s, (h, w))
-    assert s.dtype == torch.float32 and len(mode.seen) == 9  # 3 chunks x (logits, dh, dw)
-    assert all(a == b == torch.bfloat16 for a, b, _ in mode.seen), mode.seen
+    with torch.no_grad(), MatmulDtypes() as evaluation:
+        s_eval, _ = chunked_cross_entropy(h, w, y, 16, grads_in_forward)
+    assert s.dtype == torch.float32 and torch.equal(s_eval, s.detach())
+    assert (len(fwd.seen), len(bwd.seen)) == ((9, 0) if grads_in_forward else (3, 9))
+    assert len(evaluation.seen) == 3
+    assert all(a == b == torch.bfloat16 for a, b, _ in fwd.seen + bwd.seen), fwd.seen + bwd.seen
     ref_h, ref_w = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
     ref = F.cross_entropy(ref_h @ ref_w.T, y, reduction="sum")
     torch.testing.assert_close(s.double(), ref, rtol=1e-3, atol=0)
