@@ -31,8 +31,8 @@ dry run's state bytes hold them).
 
 from __future__ import annotations
 
-import math
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from model.config import ModelConfig
