@@ -40,6 +40,18 @@ def mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 _HAS_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # torch >= 2.8: mm.dtype overload
+_HAS_ADDMM_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out")
+
+
+def addmm_fp32_out_(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """c += a @ b in place, c fp32 (or wider): the GEMM adds into c itself (cuBLAS beta = 1),
+    bf16 operands on CUDA included (`torch.addmm(out_dtype=, out=)`), so accumulating over
+    chunks costs no extra pass over c; elsewhere an add of the cast product."""
+    if a.dtype == c.dtype:
+        return torch.addmm(c, a, b, out=c)
+    if (a.is_cuda or cuda_backends_forced()) and _HAS_ADDMM_OUT_DTYPE:
+        return torch.addmm(c, a, b, out_dtype=c.dtype, out=c)
+    return c.add_(mm_fp32_out(a, b))
 
 
 def _chunk_logits(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -76,9 +88,9 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                 del logits
                 if dh is not None:
                     dh[s:e] = mm_fp32_out(p, w_act)
-                if need_w:
-                    g = mm_fp32_out(p.t(), h[s:e])
-                    dw = g if dw is None else dw.add_(g)
+                if need_w:  # accumulated over chunks in fp32 inside the GEMM
+                    dw = (mm_fp32_out(p.t(), h[s:e]) if dw is None
+                          else addmm_fp32_out_(dw, p.t(), h[s:e]))
         ctx.chunk, ctx.early = chunk, early
         ctx.dtypes = (h.dtype, w.dtype)
         if early:
@@ -114,7 +126,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             elif dw is None:  # several: accumulate over chunks in fp32 (or wider)
                 dw = mm_fp32_out(p.t(), hc)
             else:
-                dw += mm_fp32_out(p.t(), hc)
+                addmm_fp32_out_(dw, p.t(), hc)
         if dw is None:  # no tokens
             dw = torch.zeros_like(w)
         return dh, dw.to(w.dtype), None, None, None

@@ -158,3 +158,33 @@ def test_chunked_loss_backward_gemms_run_in_the_activation_dtype(grads_in_forwar
     for got, want in zip((dh, dw), torch.autograd.grad(ref, (ref_h, ref_w))):
         assert got.dtype == torch.bfloat16
         assert ((got.double() - want).norm() / want.norm()) < 1e-2
+
+
+def test_head_gradient_accumulates_inside_the_gemm_on_cuda():
+    """CUDA path (forced, fake tensors): chunks after the first add their head gradient into the
+    fp32 accumulator inside the GEMM (`addmm(out_dtype=fp32, out=dw)`), not as a separate add."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from model.ops.backends import force_cuda_backends
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with force_cuda_backends(), FakeTensorMode():
+        h = torch.empty(48, 32, dtype=torch.bfloat16, requires_grad=True)
+        w = torch.empty(96, 32, dtype=torch.bfloat16, requires_grad=True)
+        y = torch.zeros(48, dtype=torch.long)
+        with Ops() as ops:
+            s, _ = chunked_cross_entropy(h, w, y, chunk_tokens=16)
+        assert ops.seen.count("aten.addmm.dtype_out") == 2  # chunks 2 and 3
+        assert ops.seen.count("aten.mm.dtype") == 3 + 3 + 1  # logits, d hidden; d head once
+        assert "aten.add_.Tensor" not in ops.seen
+        dh, dw = torch.autograd.grad(s, (h, w))
+        assert dh.dtype == dw.dtype == torch.bfloat16 and dw.shape == w.shape
