@@ -614,8 +614,9 @@ class Trace:
         if not any(_is_device_tensor(t) for t in leaves):
             return  # host-only op (AdamW's CPU step counters, host cu_seqlens)
         flops = self.formulas(name, args) if name.startswith("k3.") else None
-        if flops is None and formula is not None:
-            flops = float(formula(*args, **kwargs, out_val=out))
+        if flops is None and formula is not None:  # (an out_dtype is not a shape argument)
+            fargs = tuple(a for a in args if not isinstance(a, torch.dtype))
+            flops = float(formula(*fargs, **kwargs, out_val=out))
         matmul = name in MATMUL_OPS
         vflops = 0.0 if matmul or flops else _vector_flops(args, kwargs, out)
         multi = "_foreach_" in name or name.startswith("aten._fused_adam")

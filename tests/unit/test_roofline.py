@@ -276,3 +276,14 @@ def test_kept_gathered_units_copy_once_per_step():
     assert copy_in.nbytes == 6 * sum(p.numel() for p in model.parameters())
     reshard = roofline._fsdp_units(model, None)
     assert sum(g for _, g, _ in reshard) == 2 * len(units) - 2  # last layer, root: 1
+
+
+def test_loss_chunks_do_not_change_the_gemm_flops(debug_step):
+    """4 loss chunks instead of 1: the head's gradient accumulates inside its GEMM
+    (aten.addmm.dtype_out, counted by flop_counter like addmm), so the GEMM FLOPs stay 6 x
+    tokens x parameters."""
+    one, one_records = debug_step[0]["by_category"]["gemm"]["flops"], debug_step[2]
+    s, records = roofline.analyze([*SMALL, "model.loss_chunk_tokens=16"], gpu="h200")
+    addmm = lambda rs: sum(r.name == "aten.addmm" for r in rs)  # noqa: E731
+    assert addmm(records) - addmm(one_records) == 3  # chunks 2-4
+    assert s["by_category"]["gemm"]["flops"] == pytest.approx(one, rel=1e-12)
