@@ -198,12 +198,15 @@ MATMUL_OPS = GEMM_OPS | ATTENTION_OPS | KDA_OPS
 # custom ops over library kernels, costed by formula; other k3:: ops are traced through
 FORMULA_OPS = {"k3.grouped_mm", "k3.grouped_mm_wgrad", "k3.varlen_attention",
                "k3.varlen_attention_backward", "k3.chunk_kda_fla", "k3.chunk_kda_fla_bwd"}
-# our fused kernels (one launch each; bytes = inputs + outputs, 1 vector FLOP per element)
+# our fused kernels (one launch each unless KERNELS says; bytes = inputs + outputs, 1 vector FLOP
+# per element)
 FUSED_OPS = {"k3.attnres_mix", "k3.attnres_mix_bwd", "k3.situ_glu", "k3.situ_glu_bwd",
              "k3.short_conv", "k3.short_conv_bwd", "k3.row_norm", "k3.row_norm_bwd",
-             "k3.moe_combine", "k3.moe_combine_bwd", "k3.mx_cast", "k3.ce_logit_grad"}
+             "k3.moe_combine", "k3.moe_combine_bwd", "k3.mx_cast", "k3.ce_logit_grad",
+             "k3.record_router_stats"}
 KERNELS = {"k3.chunk_kda_fla": 6, "k3.chunk_kda_fla_bwd": 16, "k3.varlen_attention": 3,
-           "k3.varlen_attention_backward": 8}
+           "k3.varlen_attention_backward": 8,
+           "k3.record_router_stats": 4}  # scratch zeros, the kernel, two adds into the buffers
 # KDA's prologue in fla (the ops' last argument, gate_in_kernel): forward 2 l2norm kernels and
 # beta's sigmoid (the gate activation rides the chunk cumsum); the backward re-runs those 3, then
 # the l2norm / sigmoid backwards (3) and the gate backward with its dA_log / ddt_bias sums (3)
@@ -544,8 +547,9 @@ class _Recorder(TorchDispatchMode):
 
 
 def _pytorch_custom_op(func) -> Callable | None:
-    """The Python body of a `k3::` custom op that has no roofline formula (its implementation is
-    PyTorch code, e.g. `k3::record_router_stats`), or None. torch.library keeps it in the
+    """The Python body of a `k3::` custom op that is neither a formula op nor a fused kernel
+    (its implementation PyTorch code; none today, `k3::record_router_stats` was one until it
+    got its kernel), or None. torch.library keeps it in the
     private `torch._library.custom_ops.OPDEFS` (torch >= 2.4); without it the op counts as one
     kernel."""
     name = _func_info(func)[0]

@@ -27,8 +27,11 @@ from model.config import ModelConfig
 from model.dispatch import LocalDispatcher
 from model.mlp import SiTUMLP
 from model.norms import RMSNorm
+from model.ops.backends import triton_chosen
 from model.ops.grouped_gemm import grouped_mm
 from model.ops.situ import situ_glu
+
+_STATS_ENV = "K3_ROUTER_STATS_BACKEND"  # auto | torch | triton (model.ops.backends)
 
 
 def in_recomputation() -> bool:
@@ -48,8 +51,16 @@ def record_router_stats(qb_counts: torch.Tensor, expert_load: torch.Tensor,
     A custom op so that the check runs when the op runs, not when torch.compile traces the layer:
     one opaque node (no graph break on `in_recomputation()`), right whether the layer is
     recomputed eagerly, by a compiled checkpoint, or not at all. Integer scatter-adds into the
-    fixed-size buffers: no host read."""
+    fixed-size buffers: no host read. On CUDA (`K3_ROUTER_STATS_BACKEND=auto|torch|triton`) one
+    Triton kernel does it all (`model.ops.router_stats_triton`); the PyTorch form is the CPU
+    path and the oracle."""
     if in_recomputation():
+        return
+    if triton_chosen(scores, _STATS_ENV):  # one kernel (model.ops.router_stats_triton)
+        from model.ops import router_stats_triton
+
+        router_stats_triton.router_stats(qb_counts, expert_load, scores, bias.to(scores.dtype),
+                                         topk_idx)
         return
     qb_counts += margin_histogram(scores, bias, top_k, qb_counts.shape[1])
     expert_load += expert_loads(topk_idx, expert_load.shape[0], scores)

@@ -32,8 +32,10 @@ import json
 import torch
 import torch.nn.functional as F
 from model.loss import chunked_cross_entropy
+from model.balancing import expert_loads, margin_histogram
+from model.moe import record_router_stats
 from model.ops import (attnres_triton, ce_grad_triton, combine_triton, rms_norm_triton,
-                       short_conv_triton, situ_triton)
+                       router_stats_triton, short_conv_triton, situ_triton)
 from model.ops.ce_grad import ce_logit_grad
 from model.ops.combine import weighted_combine, weighted_combine_reference
 from model.ops.rms_norm import (gated_rms_norm, gated_rms_norm_reference, l2_norm,
@@ -54,7 +56,8 @@ for mod, names in ((attnres_triton, ("mix_fwd", "mix_bwd")),
                    (short_conv_triton, ("conv_fwd", "conv_bwd")),
                    (rms_norm_triton, ("norm_fwd", "norm_bwd")),
                    (combine_triton, ("combine_fwd", "combine_bwd")),
-                   (ce_grad_triton, ("ce_grad",))):
+                   (ce_grad_triton, ("ce_grad",)),
+                   (router_stats_triton, ("router_stats",))):
     for n in names:
         counted(mod, n)
 
@@ -163,6 +166,21 @@ for chunk in (16, 64):
     compare("ce loss", lambda a, b: chunked_cross_entropy(a, b, y, chunk_tokens=chunk)[0],
             lambda a, b: F.cross_entropy(a @ b.T, y, ignore_index=-100, reduction="sum"),
             [h, w])
+# the router's QB statistics: exactly the reference's histogram and loads (integers), with
+# rows of non-finite scores left out; several token blocks, experts not a power of two
+mismatch = 0
+for S, E, k, bins in [(37, 64, 8, 1000), (70, 130, 2, 7), (3, 5, 4, 50)]:
+    scores = torch.sigmoid(torch.randn(S, E) * 2)
+    scores[1, 2] = float("nan")
+    bias = torch.randn(E) * 0.05
+    idx = torch.topk(scores + bias, k, dim=1).indices
+    counts = torch.full((E, bins), 3, dtype=torch.long)  # adds to what is there
+    load = torch.full((E,), 5, dtype=torch.long)
+    record_router_stats(counts, load, scores, bias, idx, k)
+    want = 3 + margin_histogram(scores, bias, k, bins)
+    mismatch += int((counts != want).sum()) + int((load != 5 + expert_loads(idx, E, scores)).sum())
+    assert int(counts.sum()) == 3 * E * bins + (S - 1) * E  # the NaN row is not counted
+worst["router stats mismatches"] = mismatch
 print(json.dumps({"worst": worst, "calls": calls}))
 """
 
@@ -171,7 +189,8 @@ def test_triton_kernels_interpreted() -> None:
     pytest.importorskip("triton", reason="triton not installed: the Triton kernels are untested")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT),
                K3_ATTNRES_BACKEND="triton", K3_SITU_BACKEND="triton", K3_CONV_BACKEND="triton",
-               K3_NORM_BACKEND="triton", K3_COMBINE_BACKEND="triton", K3_CE_BACKEND="triton")
+               K3_NORM_BACKEND="triton", K3_COMBINE_BACKEND="triton", K3_CE_BACKEND="triton",
+               K3_ROUTER_STATS_BACKEND="triton")
     proc = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -179,7 +198,7 @@ def test_triton_kernels_interpreted() -> None:
     worst, calls = out["worst"], out["calls"]
     assert calls == {"mix_fwd": 8, "mix_bwd": 8, "situ_fwd": 2, "situ_bwd": 2, "conv_fwd": 6,
                      "conv_bwd": 6, "norm_fwd": 18, "norm_bwd": 18,
-                     "combine_fwd": 6, "combine_bwd": 6, "ce_grad": 7}, calls
+                     "combine_fwd": 6, "combine_bwd": 6, "ce_grad": 7, "router_stats": 3}, calls
     assert worst["attnres torch.float32"] < 2e-5, worst
     assert worst["attnres torch.bfloat16"] < 2e-2, worst  # bf16 outputs: ~2^-8 rounding
     assert worst["situ torch.float32"] < 5e-6, worst
@@ -193,3 +212,4 @@ def test_triton_kernels_interpreted() -> None:
     assert worst["ce torch.float32"] < 1e-5, worst
     assert worst["ce torch.bfloat16"] < 1e-2, worst
     assert worst["ce loss"] < 1e-5, worst
+    assert worst["router stats mismatches"] == 0, worst
