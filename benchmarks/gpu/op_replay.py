@@ -189,6 +189,13 @@ class _Builder:
             return torch.tensor(ends, dtype=dt, device=dev)
         if self.op in ("k3.moe_combine", "k3.moe_combine_bwd") and name == "inverse":
             return torch.randperm(n, device=dev).to(dt)  # a permutation of y's rows
+        if self.op == "k3.ce_logit_grad" and name == "labels":  # vocabulary ids of the logits
+            return torch.randint(0, self.named["logits"].shape[1], (n,), dtype=dt, device=dev)
+        if self.op == "k3.record_router_stats":
+            if name == "topk_idx":  # expert ids of the scores
+                return torch.randint(0, self.named["scores"].shape[1], (n,), dtype=dt,
+                                     device=dev)
+            return torch.zeros(n, dtype=dt, device=dev)  # the count buffers it adds into
         if dt == torch.bool and self.op in LIST_INDEX_OPS and name == "indices":
             raise NotReplayable("boolean mask index (data-dependent output size)")
         high = _index_high(self.op, name, pos, self.named)
