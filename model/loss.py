@@ -73,7 +73,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         keep = (labels != IGNORE_INDEX).to(compute)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         early = grads_in_forward and (need_h or need_w)
-        w_act = w.to(h.dtype)  # the head weight in the activation dtype, cast once
+        w_act = w.to(h.dtype) if early else None  # in the activation dtype, cast once
         dh = torch.empty(h.shape, dtype=compute, device=h.device) if early and need_h else None
         dw = None
         for s in range(0, h.shape[0], chunk):  # a loop over chunks of tokens, not tokens
