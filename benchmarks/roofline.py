@@ -1,7 +1,7 @@
 """Roofline prediction of one GPU training step from the real op graph, traced on a CPU.
 
     python benchmarks/roofline.py [hydra overrides] --gpu h200|h100|b200 [--table] [--layer N]
-        [--world N] [--optimizer-shards N] [--compiled]
+        [--world N] [--optimizer-shards N] [--compiled] [--unfused all|NAMES]
     e.g. model=k3_small data.seq_len=4096 data.micro_batch=1 data.docs_per_row=4
          parallel.tp=2 parallel.ep=4 --world 8      (layout: communication volume only)
          model=k3_small data.seq_len=4096 data.micro_batch=1 data.global_batch=16 --world 1
@@ -84,6 +84,10 @@ the full `k3`, whose whole step is too large to trace.
   without torch.compile, so no elementwise fusion). `--compiled` models `parallel.compile=true`
   instead: each decoder layer's glue as the fused kernels inductor's scheduler makes of it
   (benchmarks/roofline_compiled.py; JSON `compiled_graphs`, `unmatched_externs`).
+* `--unfused all|NAMES` (JSON `unfused`) costs the named fused kernels (`FUSED_OPS`: situ_glu,
+  row_norm, attnres_mix, short_conv, moe_combine, ce_logit_grad, record_router_stats, mx_cast;
+  a name takes its backward along) as the ops of their PyTorch form, traced through the custom
+  op's body: the before/after of each kernel.
 * MFU = model_flops / (predicted_step_s * dense bf16 peak), model_flops =
   `train.flops.step_flops(cfg, doc_lengths)` (the trainer's count). With `--layer N`, the same
   count restricted to the layer: 6 * its active parameters (routed experts top-k/E) per token
@@ -540,20 +544,20 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        impl = _pytorch_custom_op(func)
+        impl = _pytorch_custom_op(func, self.trace.unfused)
         if impl is None or not self.trace.expand(self, impl, args, kwargs, _func_info(func)[0]):
             self.trace.record(func, args, kwargs, out)
         return out
 
 
-def _pytorch_custom_op(func) -> Callable | None:
-    """The Python body of a `k3::` custom op that is neither a formula op nor a fused kernel
-    (its implementation PyTorch code; none today, `k3::record_router_stats` was one until it
-    got its kernel), or None. torch.library keeps it in the
-    private `torch._library.custom_ops.OPDEFS` (torch >= 2.4); without it the op counts as one
-    kernel."""
+def _pytorch_custom_op(func, unfused: frozenset[str] = frozenset()) -> Callable | None:
+    """The Python body of a `k3::` custom op that is neither a formula op nor a fused kernel,
+    or a fused kernel named in `unfused` (its body then runs its PyTorch form: `--unfused`), or
+    None. torch.library keeps it in the private `torch._library.custom_ops.OPDEFS` (torch >=
+    2.4); without it the op counts as one kernel."""
     name = _func_info(func)[0]
-    if not name.startswith("k3.") or name in FORMULA_OPS or name in FUSED_OPS:
+    if (not name.startswith("k3.") or name in FORMULA_OPS
+            or (name in FUSED_OPS and name not in unfused)):
         return None
     try:
         from torch._library.custom_ops import OPDEFS
@@ -581,8 +585,10 @@ class Trace:
     """Collects `OpRecord`s; `phase` is set by the driver. `replay=True`: each record also
     carries its `Replay` (benchmarks/gpu/i_ops.py)."""
 
-    def __init__(self, doc_lengths: Sequence[int] | None = None, replay: bool = False) -> None:
+    def __init__(self, doc_lengths: Sequence[int] | None = None, replay: bool = False,
+                 unfused: frozenset[str] = frozenset()) -> None:
         self.records: list[OpRecord] = []
+        self.unfused = unfused  # fused ops recorded as their PyTorch form's ops (--unfused)
         self.phase = "forward"
         self.formulas = _Formulas(doc_lengths)
         self.replay = replay
@@ -883,11 +889,12 @@ def _layer_model_flops(cfg, layer: torch.nn.Module, idx: int, lengths: list[int]
 
 
 def trace_step(job: Job, layer: int | None = None, optimizer_shards: int = 1,
-               replay: bool = False, compiled: bool = False) -> tuple[list[OpRecord], dict]:
+               replay: bool = False, compiled: bool = False,
+               unfused: frozenset[str] = frozenset()) -> tuple[list[OpRecord], dict]:
     """Records of one step (whole model, or decoder layer `layer`) and the model FLOPs;
     the optimizer and FSDP copy-in over one rank's share of `optimizer_shards`; `replay`:
     records carry their `Replay`; `compiled`: decoder layers as inductor fuses them
-    (benchmarks/roofline_compiled.py)."""
+    (benchmarks/roofline_compiled.py); `unfused`: these fused ops as their PyTorch form."""
     from model.decoder import DecoderLayer, K3Model
     from model.ops.backends import force_cuda_backends
     from model.packing import Packing
@@ -898,7 +905,7 @@ def trace_step(job: Job, layer: int | None = None, optimizer_shards: int = 1,
     bounds = doc_bounds(B, T, job.docs_per_row)
     lengths = [b - a for a, b in zip(bounds, bounds[1:])]
     cu_host = torch.tensor(bounds, dtype=torch.int32)
-    trace = Trace(lengths, replay)
+    trace = Trace(lengths, replay, unfused)
     dtype = job.param_dtype
     if layer is None:
         module = K3Model(cfg, device="meta")
@@ -1091,18 +1098,38 @@ def summarize(records: Sequence[OpRecord], gpu: GPU, model_flops: float) -> dict
     }
 
 
+def unfused_ops(spec: str | Sequence[str] = ()) -> frozenset[str]:
+    """`--unfused`: "all", or fused-op families by name ("situ_glu,row_norm"; each takes its
+    backward along), or full names ("k3.situ_glu")."""
+    names = spec.split(",") if isinstance(spec, str) else list(spec)
+    out: set[str] = set()
+    for n in (n.strip() for n in names if n.strip()):
+        if n == "all":
+            out |= FUSED_OPS
+            continue
+        family = {f for f in FUSED_OPS if f in (n, f"k3.{n}", f"k3.{n}_bwd", f"{n}_bwd")}
+        if not family:
+            short = sorted({f.removeprefix("k3.").removesuffix("_bwd") for f in FUSED_OPS})
+            raise ValueError(f"--unfused {n!r}: not a fused op; choose from all, {short}")
+        out |= family
+    return frozenset(out)
+
+
 def analyze(overrides: Sequence[str] = (), gpu: str = "h200", layer: int | None = None,
             world: int = 8, optimizer_shards: int = 1, replay: bool = False,
-            compiled: bool = False) -> tuple[dict, list[OpRecord]]:
+            compiled: bool = False, unfused: str | Sequence[str] = ()
+            ) -> tuple[dict, list[OpRecord]]:
     """(the JSON summary, the op records) of one predicted step; `replay`: the records carry
-    their `Replay` (the JSON is the same)."""
+    their `Replay` (the JSON is the same); `unfused`: fused ops costed as their PyTorch form
+    (`unfused_ops`)."""
     if gpu not in GPUS:
         raise ValueError(f"--gpu {gpu!r}: choose one of {sorted(GPUS)}")
+    unfused_set = unfused_ops(unfused)
     g = GPUS[gpu]
     job = load_config(overrides, world)
     if optimizer_shards < 1:
         raise ValueError(f"--optimizer-shards {optimizer_shards} must be >= 1")
-    records, info = trace_step(job, layer, optimizer_shards, replay, compiled)
+    records, info = trace_step(job, layer, optimizer_shards, replay, compiled, unfused_set)
     by_dim, detail = comm_bytes(job, info["module"], layer)
     out = {
         "gpu": g.name, "preset": job.preset, "layer": layer,
@@ -1112,6 +1139,7 @@ def analyze(overrides: Sequence[str] = (), gpu: str = "h200", layer: int | None 
         "micro_batches": job.micro_batches, "global_batch": job.job.data.global_batch,
         "docs_per_row": job.docs_per_row, "optimizer_shards": optimizer_shards,
         "compiled": compiled, "compiled_graphs": info["compiled_graphs"],
+        "unfused": sorted(unfused_set),
         "unmatched_externs": info["unmatched_externs"],
         "doc_lengths": info["doc_lengths"],
         "tokens": info["tokens"], "params": info["params"], "dtype": str(job.param_dtype),
@@ -1128,9 +1156,11 @@ def analyze(overrides: Sequence[str] = (), gpu: str = "h200", layer: int | None 
 
 
 def roofline(overrides: Sequence[str] = (), gpu: str = "h200", layer: int | None = None,
-             world: int = 8, optimizer_shards: int = 1, compiled: bool = False) -> dict:
+             world: int = 8, optimizer_shards: int = 1, compiled: bool = False,
+             unfused: str | Sequence[str] = ()) -> dict:
     """The JSON summary of one predicted step (see the module docstring)."""
-    return analyze(overrides, gpu, layer, world, optimizer_shards, compiled=compiled)[0]
+    return analyze(overrides, gpu, layer, world, optimizer_shards, compiled=compiled,
+                   unfused=unfused)[0]
 
 
 def format_table(rows: Sequence[dict]) -> str:
@@ -1155,6 +1185,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="optimizer + FSDP copy-in over 1/N of the parameters (default 1)")
     ap.add_argument("--compiled", action="store_true",
                     help="decoder layers as inductor fuses them (parallel.compile=true)")
+    ap.add_argument("--unfused", default="",
+                    help="fused ops costed as their PyTorch form: all, or names (situ_glu,...)")
     args, overrides = ap.parse_known_args(argv)
     bad = [o for o in overrides if o.startswith("-")]
     if bad:
@@ -1162,7 +1194,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(1)
     try:
         out, records = analyze(overrides, args.gpu, args.layer, args.world,
-                                args.optimizer_shards, compiled=args.compiled)
+                                args.optimizer_shards, compiled=args.compiled,
+                                unfused=args.unfused)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -287,3 +287,21 @@ def test_loss_chunks_do_not_change_the_gemm_flops(debug_step):
     addmm = lambda rs: sum(r.name == "aten.addmm" for r in rs)  # noqa: E731
     assert addmm(records) - addmm(one_records) == 3  # chunks 2-4
     assert s["by_category"]["gemm"]["flops"] == pytest.approx(one, rel=1e-12)
+
+
+def test_unfused_ops_are_costed_as_their_pytorch_form():
+    """--unfused: a fused op's record gives way to the ops of its PyTorch form (more kernels,
+    more bytes, the same GEMMs); a name that is not a fused op is refused, naming the option."""
+    fused, f_records = roofline.analyze(SMALL, layer=1)
+    plain, p_records = roofline.analyze(SMALL, layer=1, unfused="all")
+    assert plain["unfused"] == sorted(roofline.FUSED_OPS) and fused["unfused"] == []
+    assert any(r.name in roofline.FUSED_OPS for r in f_records)
+    assert not any(r.name in roofline.FUSED_OPS for r in p_records)
+    assert plain["kernels"] > fused["kernels"]
+    assert plain["by_category"]["gemm"]["flops"] == fused["by_category"]["gemm"]["flops"]
+    glue = lambda s: sum(s["by_category"][c]["bytes"] for c in  # noqa: E731
+                         ("elementwise_norm", "attnres", "moe_routing"))
+    assert glue(plain) > glue(fused)
+    assert roofline.unfused_ops("situ_glu") == {"k3.situ_glu", "k3.situ_glu_bwd"}
+    with pytest.raises(ValueError, match="--unfused 'situ'"):
+        roofline.unfused_ops("situ")
