@@ -14,7 +14,8 @@ optimizer_shards=) -> dict`, `analyze(...) -> (dict, op records)`, and `trace_op
 it again (`Replay`: the overload, tensor arguments as shape/stride/dtype; the GPU suite's stage
 i_ops times the top ones). JSON: tokens, model_flops, traced_flops (flop_counter + custom-op
 formulas), vector_flops, predicted_step_s, predicted_mfu, fwd_bwd_s / fwd_bwd_mfu (forward +
-backward only), kernels, by_category {name: {s, flops, bytes, kernels, vector_flops}},
+backward only; fwd_bwd_kernels / fwd_bwd_bytes their kernels and HBM bytes), kernels,
+by_category {name: {s, flops, bytes, kernels, vector_flops}},
 by_phase, non_gemm_fraction (time outside gemm/attention/kda over the total), comm_bytes by
 dim (+ comm_detail), layout, gpu, preset, layer, seq_len, micro_batch, micro_batches,
 global_batch, doc_lengths, constants.
@@ -1071,7 +1072,11 @@ def summarize(records: Sequence[OpRecord], gpu: GPU, model_flops: float) -> dict
     by_cat = {c: {"s": 0.0, "flops": 0.0, "bytes": 0.0, "kernels": 0, "vector_flops": 0.0}
               for c in CATEGORIES}
     by_phase: dict[str, float] = defaultdict(float)
+    fb_kernels, fb_bytes = 0, 0.0
     for r in records:
+        if r.phase in ("forward", "backward"):
+            fb_kernels += r.count * r.kernels
+            fb_bytes += r.count * r.nbytes
         t = r.time(gpu)
         c = by_cat[r.category]
         c["s"] += t
@@ -1092,6 +1097,7 @@ def summarize(records: Sequence[OpRecord], gpu: GPU, model_flops: float) -> dict
         "kernels": sum(c["kernels"] for c in by_cat.values()),
         "fwd_bwd_s": fwd_bwd,
         "fwd_bwd_mfu": model_flops / (fwd_bwd * gpu.peak_bf16) if fwd_bwd > 0 else 0.0,
+        "fwd_bwd_kernels": fb_kernels, "fwd_bwd_bytes": fb_bytes,
         "by_category": by_cat,
         "by_phase": dict(by_phase),
         "non_gemm_fraction": (total - compute) / total if total > 0 else 0.0,
