@@ -79,9 +79,10 @@ def quantile_balance_update(scores: Tensor, bias: Tensor, topk: int) -> Tensor:
 
 
 def _bounds(bias: Tensor) -> tuple[Tensor, Tensor]:
-    """0-d tensors lo, hi with lo < every margin < hi, for scores in (0, 1)."""
+    """lo, hi (bias [..., n] -> [...]; 0-d for one bias) with lo < every margin < hi, for
+    scores in (0, 1)."""
     b = bias.to(_compute_dtype(bias))
-    return -1.0 - b.max() - _BOUND_EPS, 1.0 - b.min() + _BOUND_EPS
+    return -1.0 - b.amax(-1) - _BOUND_EPS, 1.0 - b.amin(-1) + _BOUND_EPS
 
 
 def margin_bounds(bias: Tensor) -> tuple[float, float]:
@@ -111,29 +112,32 @@ def margin_histogram(scores: Tensor, bias: Tensor, topk: int, num_bins: int = 10
 
 
 def _histogram_quantile(counts: Tensor, bias: Tensor, topk: int) -> Tensor:
-    """Per expert, v with (interpolated) #margins > v equal to q = m*k/n. Shape [n], fp64."""
-    n, num_bins = counts.shape
-    if bias.shape != (n,) or not 1 <= topk < n:
+    """Per expert, v with (interpolated) #margins > v equal to q = m*k/n. counts [..., n, B],
+    bias [..., n] (leading dims: independent routers) -> [..., n], fp64."""
+    n, num_bins = counts.shape[-2:]
+    if bias.shape != counts.shape[:-1] or not 1 <= topk < n:
         raise ValueError(f"bad shapes/topk: counts {counts.shape}, bias {bias.shape}, k={topk}")
     c = counts.to(torch.int64)
-    m = c[0].sum()
-    q = m.double() * topk / n
-    # above[:, b] = number of margins in bins >= b, for b in 0..B (above[:, B] = 0).
-    above = torch.cat([c.flip(1).cumsum(1).flip(1), torch.zeros_like(c[:, :1])], dim=1)
+    m = c[..., 0, :].sum(-1)
+    q = (m.double() * topk / n)[..., None]  # [..., 1]
+    # above[..., b] = number of margins in bins >= b, for b in 0..B (above[..., B] = 0).
+    above = torch.cat([c.flip(-1).cumsum(-1).flip(-1), torch.zeros_like(c[..., :1])], dim=-1)
     # Bin holding the q-th largest: the last b with above[b] >= q (and > 0, so q == 0 picks the
     # top non-empty bin). `above` is non-increasing, so the mask is a prefix and its length - 1
     # is the index.
-    ok = (above[:, :num_bins].double() >= q) & (above[:, :num_bins] > 0)
-    b = (ok.sum(1) - 1).clamp_(min=0)
+    ok = (above[..., :num_bins].double() >= q[..., None]) & (above[..., :num_bins] > 0)
+    b = (ok.sum(-1) - 1).clamp_(min=0)
     lo, hi = _bounds(bias)
-    lo, width = lo.double(), (hi - lo).double() / num_bins
-    in_bin = c.gather(1, b[:, None]).squeeze(1).double().clamp(min=1.0)
-    above_next = above.gather(1, (b + 1)[:, None]).squeeze(1).double()
+    lo, width = lo.double()[..., None], ((hi - lo).double() / num_bins)[..., None]
+    in_bin = c.gather(-1, b[..., None]).squeeze(-1).double().clamp(min=1.0)
+    above_next = above.gather(-1, (b + 1)[..., None]).squeeze(-1).double()
     return lo + (b + 1).double() * width - (q - above_next) / in_bin * width
 
 
 def quantile_balance_update_from_histogram(counts: Tensor, bias: Tensor, topk: int) -> Tensor:
-    """QB update from pooled margin histograms ``[n, B]`` built with this same ``bias``.
+    """QB update from pooled margin histograms ``[n, B]`` built with this same ``bias`` ``[n]``;
+    or ``[L, n, B]`` and ``[L, n]``: L routers of one shape updated at once, each row exactly
+    as alone (one set of kernels for all of them, not one per layer).
 
     m = counts[0].sum() and the real-valued rank q = m*k/n is interpolated (no rounding).
     An empty histogram (m == 0) returns the old bias unchanged. Output dtype follows ``bias``
@@ -141,9 +145,9 @@ def quantile_balance_update_from_histogram(counts: Tensor, bias: Tensor, topk: i
     """
     v = _histogram_quantile(counts, bias, topk)
     b_hat = -v
-    new = (b_hat - b_hat.mean()).to(_compute_dtype(bias))
+    new = (b_hat - b_hat.mean(-1, keepdim=True)).to(_compute_dtype(bias))
     old = bias.to(new.dtype)
-    return torch.where(counts[0].sum() > 0, new, old)
+    return torch.where(counts[..., 0, :].sum(-1, keepdim=True) > 0, new, old)
 
 
 def count_ids(ids: Tensor, n: int, keep: Tensor | None = None) -> Tensor:

@@ -25,7 +25,7 @@ from model.kda import KimiDeltaAttention
 from model.loss import chunked_cross_entropy
 from model.mla import GatedMLA
 from model.mlp import SiTUMLP
-from model.moe import LatentMoE
+from model.moe import LatentMoE, apply_quantile_balancing
 from model.mtp import MTPModule, mtp_targets, next_token_ids
 from model.norms import RMSNorm
 from model.packing import Packing
@@ -265,5 +265,4 @@ class K3Model(nn.Module):
     @torch.no_grad()
     def apply_quantile_balancing(self) -> None:
         """Between optimizer steps: update every router bias from its (reduced) histogram."""
-        for moe in self.moe_layers():
-            moe.gate.apply_quantile_balancing()
+        apply_quantile_balancing([moe.gate for moe in self.moe_layers()])

@@ -100,13 +100,26 @@ class Router(nn.Module):
                                 topk_idx, self.top_k)
         return topk_idx, w * self.scaling
 
-    @torch.no_grad()
     def apply_quantile_balancing(self) -> None:
         """Set the bias from this step's pooled histogram (possibly all-reduced), clear counts."""
-        new_bias = quantile_balance_update_from_histogram(
-            self.qb_counts, self.e_score_correction_bias, self.top_k)
-        self.e_score_correction_bias.copy_(new_bias)
-        self.qb_counts.zero_()
+        apply_quantile_balancing([self])
+
+
+@torch.no_grad()
+def apply_quantile_balancing(routers: list[Router]) -> None:
+    """Between optimizer steps: every router's bias from its pooled histogram, counts cleared.
+    Routers of one shape (all of a model's) are updated as one batch: ~20 kernels for all the
+    layers instead of ~40 per layer, each bias exactly what its own update gives."""
+    groups: dict[tuple, list[Router]] = {}
+    for r in routers:
+        key = (tuple(r.qb_counts.shape), r.top_k, r.e_score_correction_bias.dtype)
+        groups.setdefault(key, []).append(r)
+    for (_, top_k, _), rs in groups.items():
+        biases = [r.e_score_correction_bias for r in rs]
+        new = quantile_balance_update_from_histogram(
+            torch.stack([r.qb_counts for r in rs]), torch.stack(biases), top_k)
+        torch._foreach_copy_(biases, list(new.unbind(0)))
+        torch._foreach_zero_([r.qb_counts for r in rs])
 
 
 class RoutedExperts(nn.Module):

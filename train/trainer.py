@@ -24,6 +24,7 @@ from omegaconf import OmegaConf
 from data.loader import BatchLoader, local_target_tokens
 from model.config import ConfigError
 from model.decoder import K3Model
+from model.moe import apply_quantile_balancing
 from model.mtp import stack_targets
 from model.packing import (
     Packing,
@@ -431,13 +432,14 @@ def balance_routers(model: K3Model, group=None) -> float | None:
         return []
     flat = torch.cat([torch.cat([r.qb_counts.flatten(), r.expert_load]) for r in routers])
     dist.all_reduce(flat, group=group)
-    offset = 0
-    for r in routers:
-        n, E = r.qb_counts.numel(), r.expert_load.numel()
-        r.qb_counts.copy_(flat[offset:offset + n].view_as(r.qb_counts))
-        r.expert_load.copy_(flat[offset + n:offset + n + E])
-        offset += n + E
-        r.apply_quantile_balancing()
+    dst, src, offset = [], [], 0
+    for r in routers:  # the reduced sums back into the buffers: one foreach copy
+        for buf in (r.qb_counts, r.expert_load):
+            dst.append(buf)
+            src.append(flat[offset:offset + buf.numel()].view_as(buf))
+            offset += buf.numel()
+    torch._foreach_copy_(dst, src)
+    apply_quantile_balancing(routers)
     loads = torch.stack([r.expert_load.double() for r in routers])  # [layers, E]
     return (loads.max(1).values / loads.mean(1).clamp(min=1e-9)).tolist()  # one host read
 

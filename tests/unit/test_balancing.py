@@ -241,3 +241,32 @@ def test_non_finite_scores_are_not_counted():
                        margin_histogram(scores[keep], bias, 2, 50))
     idx = torch.topk(bad + bias, 2).indices
     assert torch.equal(expert_loads(idx, 8, bad), expert_loads(idx[keep], 8))
+
+
+def test_batched_histogram_update_equals_each_router_alone():
+    """L routers stacked ([L, n, B], [L, n]) give, row for row, exactly the single-router update,
+    an empty histogram (bias kept) included; `model.moe.apply_quantile_balancing` writes them
+    back and clears the counts."""
+    from model.moe import apply_quantile_balancing
+
+    g = torch.Generator().manual_seed(3)
+    L, n, B, k = 4, 12, 50, 3
+    counts = torch.randint(0, 9, (L, n, B), generator=g)
+    counts[2] = 0  # no tokens this step
+    bias = torch.randn(L, n, generator=g) * 0.05
+    batched = quantile_balance_update_from_histogram(counts, bias, k)
+    for i in range(L):
+        one = quantile_balance_update_from_histogram(counts[i], bias[i], k)
+        assert torch.equal(batched[i], one)
+    assert torch.equal(batched[2], bias[2])
+
+    class R:  # the three buffers and top_k a Router has
+        def __init__(self, c, b):
+            self.qb_counts, self.e_score_correction_bias, self.top_k = c.clone(), b.clone(), k
+            self.expert_load = torch.zeros(n, dtype=torch.long)
+
+    routers = [R(counts[i], bias[i]) for i in range(L)]
+    apply_quantile_balancing(routers)
+    for i, r in enumerate(routers):
+        assert torch.equal(r.e_score_correction_bias, batched[i])
+        assert not r.qb_counts.any()
