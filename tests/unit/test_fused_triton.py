@@ -1,8 +1,9 @@
-"""Our Triton kernels (AttnRes mix, SiTU-GLU, short conv, row norms, MoE combine) under
-TRITON_INTERPRET=1.
+"""Our Triton kernels (AttnRes mix, SiTU-GLU, short conv, row norms, MoE combine, the
+cross-entropy logit gradient, the router's QB statistics) under TRITON_INTERPRET=1.
 
 One subprocess (the variable must be set before triton.jit runs) with K3_ATTNRES_BACKEND,
-K3_SITU_BACKEND, K3_CONV_BACKEND, K3_NORM_BACKEND and K3_COMBINE_BACKEND forced to "triton"
+K3_SITU_BACKEND, K3_CONV_BACKEND, K3_NORM_BACKEND, K3_COMBINE_BACKEND, K3_CE_BACKEND and
+K3_ROUTER_STATS_BACKEND forced to "triton"
 runs the model's ops forward and backward on CPU tensors and compares them with the
 autograd-differentiated reference formulas in float64 (`*_reference`; independent of the
 kernels' hand-written backward). AttnRes shapes cover no snapshots, K3's 8
@@ -12,7 +13,11 @@ both signs (the written-out tanh); the conv covers K 2 and 4, documents that res
 row, row ends, channels not a multiple of the tile and several row tiles (the weight-gradient
 partials); the norms (RMSNorm with its weight, sigmoid-gated, L2 without) cover d over one
 4096-wide tile and
-the strided backward rows. All against float64. The script asserts every kernel actually ran.
+the strided backward rows; the logit gradient two vocabulary blocks (the second partial) and
+ignored rows, against float64 softmax, and the chunked loss on it (4 chunks and 1) against
+F.cross_entropy; the router statistics must equal the PyTorch reference's integer counts
+exactly (experts not a power of two, several token blocks, a NaN row). All against float64.
+The script asserts every kernel actually ran.
 """
 
 from __future__ import annotations
