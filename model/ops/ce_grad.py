@@ -1,9 +1,10 @@
 """Gradient of the token cross-entropy with respect to the logits, in one pass over them.
 
 d loss_sum / d logits[i, v] = (exp(logits[i, v] - lse[i]) - [v == labels[i]]) * scale[i], with
-lse the row's log-sum-exp kept from the forward and scale = grad x (label != ignore). The
-chunked loss (`model.loss`) recomputes a chunk's fp32 logits in backward and feeds this to
-its two backward GEMMs in the activation dtype.
+lse the row's log-sum-exp and scale = upstream gradient x (label != ignore). The chunked loss
+(`model.loss`) calls it on a chunk's fp32 logits (in its forward by default, or on logits
+recomputed in backward) and feeds the result to its two gradient GEMMs in the activation
+dtype.
 
 * `ce_logit_grad`: the op the loss calls. With the Triton backend (CUDA, 16/32-bit, or
   `K3_CE_BACKEND=triton`; and in fake-tensor traces under `force_cuda_backends()`) it is the
