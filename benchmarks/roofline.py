@@ -80,7 +80,8 @@ the full `k3`, whose whole step is too large to trace.
   Non-GEMM ops get 1 FLOP per element (`vector_flops`, reported apart from `traced_flops`).
 * Predicted time of an op: max(FLOPs / rate, bytes / bandwidth) + 5 us per kernel; rate = the
   GEMM rate for matmul-like ops (mm, addmm, bmm, grouped GEMMs, _scaled_mm, attention, KDA),
-  the vector rate otherwise. No overlap between ops and no communication time: a lower bound
+  the vector rate otherwise, and for GEMMs of fp32 operands too (the router's: torch's CUDA
+  default keeps TF32 off, so they run on CUDA cores; `OpRecord.fp32_gemm`). No overlap between ops and no communication time: a lower bound
   on a step that runs kernels back to back, on one GPU, in eager mode (the op graph is traced
   without torch.compile, so no elementwise fusion). `--compiled` models `parallel.compile=true`
   instead: each decoder layer's glue as the fused kernels inductor's scheduler makes of it
@@ -263,6 +264,7 @@ class OpRecord:
     region: int | None = None  # the compiled graph it ran in (--compiled), else None
     expanded: bool = False  # recorded inside a `k3::` op's PyTorch body (Trace.expand)
     count: int = 1  # runs per step: the micro-batches for forward and backward ops
+    fp32_gemm: bool = False  # a GEMM of fp32 operands: the CUDA-core (vector) rate
 
 
     @property
@@ -272,7 +274,8 @@ class OpRecord:
     def time(self, gpu: GPU) -> float:
         """Predicted seconds per step: `count` runs of the op."""
         flops = self.flops if self.matmul else self.flops + self.vector_flops
-        return self.count * op_time(flops, self.nbytes, gpu, self.matmul, self.kernels)
+        return self.count * op_time(flops, self.nbytes, gpu, self.matmul and not self.fp32_gemm,
+                                    self.kernels)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -379,6 +382,15 @@ def _foreach_kernels(args) -> int:
                 blocks = 0
                 tensors = 1 if chunks > 0 else 0
     return launches + (1 if blocks or tensors else 0)
+
+
+def _fp32_gemm(name: str, args) -> bool:
+    """A GEMM (mm, addmm, bmm, baddbmm) whose two matrix operands, its last two tensor
+    arguments, are fp32."""
+    if name not in ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm"):
+        return False
+    mats = [a for a in args if isinstance(a, torch.Tensor)][-2:]
+    return len(mats) == 2 and all(m.dtype == torch.float32 for m in mats)
 
 
 def _op_bytes(name: str, func, args, kwargs, out) -> int:
@@ -638,7 +650,8 @@ class Trace:
                                      float(flops or 0.0), vflops,
                                      float(_op_bytes(name, func, args, kwargs, out)), kernels,
                                      replay_spec(func, args, kwargs) if self.replay else None,
-                                     self.region, self._expanding))
+                                     self.region, self._expanding,
+                                     fp32_gemm=_fp32_gemm(name, args)))
 
     def expand(self, recorder: _Recorder, impl: Callable, args, kwargs, name: str = "") -> bool:
         """Record the ops of `impl(*args)` (a custom op's PyTorch body) instead of the opaque

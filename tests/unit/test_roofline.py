@@ -71,6 +71,19 @@ def test_op_time_is_max_of_compute_and_memory_plus_launch():
     add = roofline.OpRecord("aten.add", "elementwise_norm", "forward", 0.0, 1e6, 8.6e9, 1)
     assert mm.time(g) == pytest.approx(2e-3 + us) and add.time(g) == pytest.approx(2e-3 + us)
     assert mm.time(roofline.GPUS["b200"]) == pytest.approx(1.58e12 / 1.8e15 + us)
+    fp32 = roofline.OpRecord("aten.mm", "gemm", "forward", 67e9, 0.0, 4.3e6, 1, fp32_gemm=True)
+    assert fp32.time(g) == pytest.approx(1e-3 + us)  # CUDA cores: TF32 is off by default
+
+
+def test_fp32_gemms_are_told_apart_by_their_operands():
+    """The router's fp32 GEMM is fp32; a bf16 GEMM writing fp32 (mm.dtype, addmm.dtype_out:
+    the loss) is not."""
+    f32, b16 = torch.empty(4, 8), torch.empty(4, 8, dtype=torch.bfloat16)
+    assert roofline._fp32_gemm("aten.mm", (f32, f32.t()))
+    assert roofline._fp32_gemm("aten.addmm", (torch.empty(4), f32, f32.t()))
+    assert not roofline._fp32_gemm("aten.mm", (b16, b16.t(), torch.float32))
+    assert not roofline._fp32_gemm("aten.addmm", (f32[:, :4], b16, b16.t(), torch.float32))
+    assert not roofline._fp32_gemm("aten.mul", (f32, f32))
 
 
 def test_linear_forward_backward_gemm_flops_are_6_in_out_tokens():
