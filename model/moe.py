@@ -108,7 +108,7 @@ class Router(nn.Module):
 @torch.no_grad()
 def apply_quantile_balancing(routers: list[Router]) -> None:
     """Between optimizer steps: every router's bias from its pooled histogram, counts cleared.
-    Routers of one shape (all of a model's) are updated as one batch: ~20 kernels for all the
+    Routers of one shape (all of a model's) are updated as one batch: ~50 kernels for all the
     layers instead of ~40 per layer, each bias exactly what its own update gives."""
     groups: dict[tuple, list[Router]] = {}
     for r in routers:
