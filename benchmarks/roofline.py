@@ -81,9 +81,10 @@ the full `k3`, whose whole step is too large to trace.
 * Predicted time of an op: max(FLOPs / rate, bytes / bandwidth) + 5 us per kernel; rate = the
   GEMM rate for matmul-like ops (mm, addmm, bmm, grouped GEMMs, _scaled_mm, attention, KDA),
   the vector rate otherwise, and for GEMMs of fp32 operands too (the router's: torch's CUDA
-  default keeps TF32 off, so they run on CUDA cores; `OpRecord.fp32_gemm`). No overlap between ops and no communication time: a lower bound
-  on a step that runs kernels back to back, on one GPU, in eager mode (the op graph is traced
-  without torch.compile, so no elementwise fusion). `--compiled` models `parallel.compile=true`
+  default keeps TF32 off, so they run on CUDA cores; `OpRecord.fp32_gemm`). No overlap
+  between ops and no communication time: a lower bound on a step that runs kernels back to
+  back, on one GPU, in eager mode (the op graph is traced without torch.compile, so no
+  elementwise fusion). `--compiled` models `parallel.compile=true`
   instead: each decoder layer's glue as the fused kernels inductor's scheduler makes of it
   (benchmarks/roofline_compiled.py; JSON `compiled_graphs`, `unmatched_externs`).
 * `--unfused all|NAMES` (JSON `unfused`) costs the named fused kernels (`FUSED_OPS`: situ_glu,
