@@ -20,9 +20,10 @@ by_phase, non_gemm_fraction (time outside gemm/attention/kda over the total), co
 dim (+ comm_detail), layout, gpu, preset, layer, seq_len, micro_batch, micro_batches,
 global_batch, doc_lengths, constants.
 
-What is traced. The job config is composed like `launch/pretrain.py` does (Hydra, configs/,
-`+cluster=gpu_node8` unless a cluster is given: bf16 parameters as FSDP2's mixed precision casts
-them, fp32 gradient reduction), without the launcher's device checks. One step = the trainer's
+What is traced. The job config is composed and validated by the launcher's own code
+(`launch.pretrain.compose_job`, `train.config.validate_job`; configs/, `+cluster=gpu_node8`
+unless a cluster is given: bf16 parameters as FSDP2's mixed precision casts them, fp32 gradient
+reduction), without its device check. One step = the trainer's
 N = data.global_batch / (dp x data.micro_batch) micro-batches on this rank (JSON
 `micro_batches`, dp from the layout over `--world`), each `[data.micro_batch, data.seq_len]` of
 packed documents (`data.docs_per_row`, our knob, default 4 per row; document i of a row is about
@@ -266,7 +267,6 @@ class OpRecord:
     expanded: bool = False  # recorded inside a `k3::` op's PyTorch body (Trace.expand)
     count: int = 1  # runs per step: the micro-batches for forward and backward ops
     fp32_gemm: bool = False  # a GEMM of fp32 operands: the CUDA-core (vector) rate
-
 
     @property
     def matmul(self) -> bool:
@@ -725,15 +725,13 @@ class Job:
 
 
 def load_config(overrides: Sequence[str], world: int = 8) -> Job:
-    """Compose configs/ like launch/pretrain.py (without its device checks)."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.config_store import ConfigStore
-    from omegaconf import OmegaConf, open_dict
-
+    """The job as `launch/pretrain.py` composes and validates it (`compose_job`, `validate_job`),
+    without its device check."""
+    from launch.pretrain import compose_job
     from model.config import ConfigError
     from parallel.dims import ParallelDims
     from parallel.fsdp import DTYPES
-    from train.config import JobConfig
+    from train.config import micro_batches, validate_job
 
     docs_per_row, rest = 4, []
     for o in overrides:
@@ -743,31 +741,16 @@ def load_config(overrides: Sequence[str], world: int = 8) -> Job:
             rest.append(o)
     if not any(o.lstrip("+").startswith("cluster=") for o in rest):
         rest.append("+cluster=gpu_node8")
-    ConfigStore.instance().store(name="job_schema", node=JobConfig)
-    try:
-        with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
-            cfg = compose("config", overrides=rest, return_hydra_config=True)
-        preset = cfg.hydra.runtime.choices.get("model", "model")
-        with open_dict(cfg):
-            del cfg["hydra"]
-        job = OmegaConf.to_object(cfg)
-    except Exception as e:
-        raise ConfigError(" ".join(str(e).split())) from None
-    job.model.validate()
+    job, preset = compose_job(rest)
+    validate_job(job, world, check_device=False)  # the launcher's checks, but the device's
     if job.precision.gemm != "default":
         raise ConfigError(f"precision.gemm={job.precision.gemm}: the roofline models bf16 "
                           "GEMMs only")
     dims = ParallelDims.from_config(job.parallel, world)
-    dims.validate_model(job.model, seq_len=job.data.seq_len)
     if docs_per_row < 1:
         raise ConfigError(f"data.docs_per_row={docs_per_row} must be >= 1")
-    d, dp = job.data, dims.dp
-    if d.micro_batch < 1 or d.global_batch < 1 or d.global_batch % (dp * d.micro_batch):
-        raise ConfigError(f"data.global_batch={d.global_batch} must be a positive multiple of "
-                          f"data-parallel size {dp} x data.micro_batch={d.micro_batch}; e.g. "
-                          f"data.global_batch={dp * max(1, d.micro_batch)} or --world")
     return Job(job.model, job, dims, preset, docs_per_row, DTYPES[job.cluster.param_dtype],
-               d.global_batch // (dp * d.micro_batch))
+               micro_batches(job.data, dims.dp))
 
 
 # ----------------------------------------------------------------------------- the step
@@ -828,6 +811,7 @@ def _fsdp_units(module: torch.nn.Module, layer: int | None, reshard: bool = True
     gathered until backward; with `reshard` false every unit does). One traced layer counts as
     a middle layer."""
     mid = 2 if reshard else 1
+
     def size(m: torch.nn.Module) -> tuple[int, int]:
         ps = list(m.parameters())
         return sum(p.numel() for p in ps), len(ps)
@@ -850,9 +834,8 @@ def _fsdp_copies(trace: Trace, units: list[tuple[int, int, int]], shards: int = 
     shard into the bf16 all-gather buffer (6 B per shard element), copy-out of the gathered
     bf16 parameters (4 B per element), one kernel each, every micro-batch (each one's forward
     and backward gather again), or once per step with `keep_gathered`
-    (`parallel.reshard_after_forward=false`, `parallel.fsdp.set_gradient_sync`; under pp the
-    units stay gathered too). Gradient
-    accumulation over N > 1 micro-batches (FSDP2 without gradient sync,
+    (`parallel.fsdp.units_stay_gathered`). Gradient accumulation over N > 1 micro-batches
+    (FSDP2 without gradient sync,
     `FSDPParam.to_accumulated_grad_if_needed` / `accumulate_unsharded_grad_if_needed`): after the
     first backward each unsharded bf16 gradient becomes an fp32 copy (6 B per element), after each
     later one it is added into it (10 B), one kernel per parameter tensor each. Before the
@@ -913,6 +896,7 @@ def trace_step(job: Job, layer: int | None = None, optimizer_shards: int = 1,
     from model.decoder import DecoderLayer, K3Model
     from model.ops.backends import force_cuda_backends
     from model.packing import Packing
+    from parallel.fsdp import units_stay_gathered
     from train.flops import step_flops
 
     cfg, d = job.model, job.job.data
@@ -974,7 +958,7 @@ def trace_step(job: Job, layer: int | None = None, optimizer_shards: int = 1,
         if r.phase in ("forward", "backward"):
             r.count = n_micro
     _optimizer_ops(trace, master, job.job, optimizer_shards)
-    keep = not job.job.parallel.reshard_after_forward or job.dims.pp > 1
+    keep = units_stay_gathered(job.job.parallel.reshard_after_forward, job.dims.pp)
     _fsdp_copies(trace, _fsdp_units(master, layer, reshard=not keep), optimizer_shards, n_micro,
                  keep)
     if layer is None:
@@ -991,7 +975,7 @@ def trace_step(job: Job, layer: int | None = None, optimizer_shards: int = 1,
 # ----------------------------------------------------------------------------- communication
 def comm_bytes(job: Job, module: torch.nn.Module, layer: int | None) -> tuple[dict, dict]:
     """Per-rank bytes sent per step, by parallel dimension (see the module docstring)."""
-    from parallel.fsdp import DTYPES
+    from parallel.fsdp import DTYPES, units_stay_gathered
     from parallel.tensor_parallel import tp_shard_plan
 
     cfg, dims, d, par = job.model, job.dims, job.job.data, job.job.parallel
@@ -1014,7 +998,7 @@ def comm_bytes(job: Job, module: torch.nn.Module, layer: int | None) -> tuple[di
     dense_local = (sharded / tp + replicated) / stage
     expert_local = experts / ep / stage
     n_micro = job.micro_batches  # activations move every micro-batch, and FSDP gathers
-    gathers = 2 * n_micro if par.reshard_after_forward and pp == 1 else 1  # else: kept gathered
+    gathers = 1 if units_stay_gathered(par.reshard_after_forward, pp) else 2 * n_micro
     frac = lambda n: (n - 1) / n  # noqa: E731
     detail = {
         "fsdp_all_gather": frac(dps) * dense_local * p_bytes * gathers,

@@ -101,8 +101,9 @@ def rank_activations(job, dims, pp_rank: int, stages: list[int], layers: list[in
 
 
 def describe_rank(job, dims, meshes, pp_rank: int, docs_per_row: int = 1) -> dict:
-    from parallel.fsdp import DTYPES
+    from parallel.fsdp import DTYPES, units_stay_gathered
     from parallel.parallelize import shard_on_meta
+    from train.config import micro_batches
 
     out, _ = shard_on_meta(job, dims, meshes, pp_rank, log=lambda m: None)
     expert_ids = {id(p) for p in out.expert_params}
@@ -126,8 +127,8 @@ def describe_rank(job, dims, meshes, pp_rank: int, docs_per_row: int = 1) -> dic
     # by FSDP only when ep < dp_shard x tp (else they are never sharded beyond ep)
     fsdp_gathered = gathered_dense + (gathered_expert if dims.edp > 1 else local_expert)
     gathered = (gathered_dense + (gathered_expert if dims.edp > 1 else 0)) * compute_bytes \
-        if dims.pp > 1 or not job.parallel.reshard_after_forward else 0
-    n_micro = job.data.global_batch // (dims.dp * job.data.micro_batch)
+        if units_stay_gathered(job.parallel.reshard_after_forward, dims.pp) else 0
+    n_micro = micro_batches(job.data, dims.dp)
     accumulator = ((fsdp_gathered - local_dense - local_expert)
                    * DTYPES[job.cluster.reduce_dtype].itemsize if n_micro > 1 else 0)
     local = local_dense + local_expert

@@ -41,6 +41,17 @@ def _one_line(e: BaseException) -> str:
 
 def load_job(overrides: list[str], world_size: int, check_device: bool = True) -> JobConfig:
     """Compose and validate; raises ConfigError with a one-line message."""
+    job, _ = compose_job(overrides)
+    if job.checkpoint.init_from:  # also once the run has checkpoints: the same model
+        _model_from_release(job, overrides)
+    elif not any(o.lstrip("+~").startswith(MODEL_CHOICES) for o in overrides):
+        _model_from_run_dir(job)
+    return validate_job(job, world_size, check_device)
+
+
+def compose_job(overrides: list[str]) -> tuple[JobConfig, str]:
+    """(the job composed from configs/ and `overrides`, unvalidated; the model preset chosen);
+    raises ConfigError with a one-line message. `run.name` defaults to k3-<preset>."""
     ConfigStore.instance().store(name="job_schema", node=JobConfig)
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
@@ -58,11 +69,7 @@ def load_job(overrides: list[str], world_size: int, check_device: bool = True) -
         raise ConfigError(_one_line(e)) from None
     if job.run.name is None:
         job.run.name = f"k3-{model_choice}"
-    if job.checkpoint.init_from:  # also once the run has checkpoints: the same model
-        _model_from_release(job, overrides)
-    elif not any(o.lstrip("+~").startswith(MODEL_CHOICES) for o in overrides):
-        _model_from_run_dir(job)
-    return validate_job(job, world_size, check_device)
+    return job, model_choice
 
 
 MODEL_CHOICES = ("model=", "model.", "recipe=")

@@ -77,6 +77,13 @@ def dtensor_writer(param: torch.Tensor, full: torch.Tensor) -> None:
         param.copy_(full)
 
 
+def units_stay_gathered(reshard_after_forward: bool, pp: int) -> bool:
+    """Whether FSDP units stay gathered over all of a step's micro-batches: under pp (the layers
+    are built so, `parallel.parallelize`) or with `parallel.reshard_after_forward=false`
+    (`set_gradient_sync(keep_gathered=True)`); else each micro-batch gathers them again."""
+    return pp > 1 or not reshard_after_forward
+
+
 def set_gradient_sync(model: nn.Module, enabled: bool, keep_gathered: bool = False) -> None:
     """Gradient accumulation: reduce-scatter only on the last micro-batch.
 

@@ -23,7 +23,7 @@ from parallel.activation_checkpoint import apply_activation_checkpointing, apply
 from parallel.context_parallel import apply_context_parallel
 from parallel.dims import Meshes, ParallelDims
 from parallel.expert_parallel import apply_expert_parallel, expert_parameters
-from parallel.fsdp import DTYPES, apply_fsdp, dtensor_writer, fsdp_kwargs
+from parallel.fsdp import DTYPES, apply_fsdp, dtensor_writer, fsdp_kwargs, units_stay_gathered
 from parallel.pipeline import (
     LossScale,
     PipelineStageModule,
@@ -67,7 +67,7 @@ def parallelize(job, dims: ParallelDims, meshes: Meshes, device: torch.device,
     out, stage_modules = shard_on_meta(job, dims, meshes, meshes.pp_rank, log)
     out.stage_modules = stage_modules
     out.compiled = bool(job.parallel.compile)
-    out.keep_gathered = not job.parallel.reshard_after_forward and dims.pp == 1
+    out.keep_gathered = units_stay_gathered(job.parallel.reshard_after_forward, dims.pp)
     model = out.model
     model.to_empty(device=device)
     init_weights(model, job.train.seed, write=dtensor_writer)

@@ -207,6 +207,11 @@ def zero_bubble_unsupported(parallel: ParallelConfig, version: tuple[int, int]) 
     return parallel.pp > 1 and parallel.pp_schedule in ZERO_BUBBLE and version < (2, 13)
 
 
+def micro_batches(data: DataConfig, dp: int) -> int:
+    """Micro-batches per optimizer step on each data-parallel rank (gradient accumulation)."""
+    return data.global_batch // (dp * data.micro_batch)
+
+
 def validate_job(job: JobConfig, world_size: int, check_device: bool = True) -> JobConfig:
     """All cross-field checks; mutates nothing but resolves `parallel.dp_shard=-1`.
     `check_device=False` (the dry run) accepts a CUDA cluster on a machine without one."""

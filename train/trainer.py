@@ -42,7 +42,7 @@ from parallel.parallelize import ParallelModel, parallelize
 from parallel.tensor_parallel import allreduce_replicated_grads
 from train import crash_faults
 from train.checkpoint import Checkpointer
-from train.config import JobConfig
+from train.config import JobConfig, micro_batches
 from train.distributed import DistEnv
 from train.evaluate import Validator
 from train.faults import Injections, poison_grad, poison_loss, poisoned_activation
@@ -83,7 +83,7 @@ def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
         _load_loader_state(loader, resumed_state)  # a refused data state writes nothing
     if env.is_main:
         _save_resolved_config(job, run_dir)
-    n_micro = job.data.global_batch // (dims.dp * job.data.micro_batch)
+    n_micro = micro_batches(job.data, dims.dp)
     pm = parallelize(job, dims, meshes, env.device, n_micro,
                      log=lambda m: print(m, flush=True) if env.is_main else None)
     if env.is_main:

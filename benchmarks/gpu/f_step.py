@@ -237,6 +237,7 @@ def worker(ctx: common.Ctx, out: dict) -> bool:
     from launch.pretrain import load_job
     from parallel.dims import ParallelDims
     from parallel.parallelize import parallelize
+    from train.config import micro_batches
     from train.distributed import init_distributed
     from train.flops import flops_per_token, peak_flops
     from train.metrics import memory_stats
@@ -261,7 +262,7 @@ def worker(ctx: common.Ctx, out: dict) -> bool:
         out["loader_s"] = time.perf_counter() - t
         t = time.perf_counter()
         logs: list[str] = []
-        n_micro = job.data.global_batch // (dims.dp * job.data.micro_batch)
+        n_micro = micro_batches(job.data, dims.dp)
         pm = parallelize(job, dims, meshes, env.device, n_micro, log=logs.append)
         model = pm.model
         optimizer = build_optimizer(model, job.optim)

@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from tests.helpers.runs import losses, metrics, pretrain, pretrain_many, sample_ids
+from tests.helpers.runs import close, losses, metrics, pretrain, pretrain_many, sample_ids
 
 STEPS = ["train.steps=12", "checkpoint.interval=4"]
 KEPT = [*STEPS, "parallel.reshard_after_forward=false"]
@@ -72,8 +72,13 @@ def test_exact_resume_is_bit_identical(runs):
 
 
 def test_fsdp_two_ranks_equal_one_rank(runs):
+    """Losses (see assert_losses_match), the data order, and the gradient norms of the steps
+    before Quantile Balancing can move a bias across a bin edge (steps 1-4)."""
     assert_losses_match(losses(runs["A"]), losses(runs["C"]))
     assert sample_ids(runs["A"]) == sample_ids(runs["C"])
+    norms = [{m["step"]: m["grad_norm"] for m in metrics(runs[r])} for r in ("A", "C")]
+    for s in range(1, 5):
+        assert close(norms[0][s], norms[1][s], 1e-5), (s, norms[0][s], norms[1][s])
 
 
 def test_quantile_balancing_is_layout_independent(runs):
