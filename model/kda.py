@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from model.config import ModelConfig
+from model.linear import Linear
 from model.norms import GatedRMSNorm
 from model.ops.kda import KDAGate, chunk_kda
 from model.packing import Packing
@@ -43,8 +44,8 @@ class KimiDeltaAttention(nn.Module):
         self.lower_bound = cfg.gate_lower_bound
         self.chunk_size = cfg.kda_chunk_size
 
-        def lin(i: int, o: int) -> nn.Linear:
-            return nn.Linear(i, o, bias=False, device=device)
+        def lin(i: int, o: int) -> Linear:
+            return Linear(i, o, bias=False, device=device)
 
         self.q_proj, self.k_proj, self.v_proj = lin(d, H * D), lin(d, H * D), lin(d, H * D)
         self.q_conv1d = ShortConv(H * D, cfg.short_conv_kernel_size, device)

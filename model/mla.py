@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from model.config import ModelConfig
+from model.linear import Linear
 from model.norms import RMSNorm
 from model.ops.attention import packed_causal_attention
 from model.packing import Packing
@@ -35,8 +36,8 @@ class GatedMLA(nn.Module):
         self.scale = cfg.qk_head_dim ** -0.5
         qk = cfg.qk_head_dim
 
-        def lin(i: int, o: int) -> nn.Linear:
-            return nn.Linear(i, o, bias=False, device=device)
+        def lin(i: int, o: int) -> Linear:
+            return Linear(i, o, bias=False, device=device)
 
         if cfg.q_lora_rank is None:
             self.q_proj = lin(d, H * qk)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from model.linear import Linear
 from model.ops.situ import situ_glu
 
 
@@ -15,9 +16,9 @@ class SiTUMLP(nn.Module):
                  device: torch.device | None = None) -> None:
         super().__init__()
         self.beta, self.linear_beta = beta, linear_beta
-        self.gate_proj = nn.Linear(dim, intermediate, bias=False, device=device)
-        self.up_proj = nn.Linear(dim, intermediate, bias=False, device=device)
-        self.down_proj = nn.Linear(intermediate, dim, bias=False, device=device)
+        self.gate_proj = Linear(dim, intermediate, bias=False, device=device)
+        self.up_proj = Linear(dim, intermediate, bias=False, device=device)
+        self.down_proj = Linear(intermediate, dim, bias=False, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = situ_glu(self.gate_proj(x), self.up_proj(x), self.beta, self.linear_beta)

@@ -25,6 +25,7 @@ from model.balancing import (
 )
 from model.config import ModelConfig
 from model.dispatch import LocalDispatcher
+from model.linear import Linear
 from model.mlp import SiTUMLP
 from model.norms import RMSNorm
 from model.ops.backends import triton_chosen
@@ -130,6 +131,8 @@ class RoutedExperts(nn.Module):
         super().__init__()
         self.beta, self.linear_beta = beta, linear_beta
         self.gemm = grouped_mm  # `model.precision.apply_mxfp8` swaps in the MXFP8 grouped GEMM
+        # (w1, w3, w2) gradient buffers while `parallel.grad_accumulation` fuses accumulation
+        self.main_grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.w1 = nn.Parameter(torch.empty(num_experts, intermediate, latent, device=device))
         self.w3 = nn.Parameter(torch.empty(num_experts, intermediate, latent, device=device))
         self.w2 = nn.Parameter(torch.empty(num_experts, latent, intermediate, device=device))
@@ -157,9 +160,18 @@ class RoutedExperts(nn.Module):
         `weights` = (w1, w3, w2) per group when they are not this module's own [E, ...] stacks
         (expert parallelism: local experts plus replicas, see `model.dispatch`)."""
         w1, w3, w2 = weights if weights is not None else (self.w1, self.w3, self.w2)
-        h = situ_glu(self.gemm(x, w1, group_sizes), self.gemm(x, w3, group_sizes),
+        m1 = m3 = m2 = None
+        if self.main_grads is not None and self.gemm is grouped_mm and w1 is self.w1:
+            m1, m3, m2 = self.main_grads  # own stacks: their gradients add into these
+        h = situ_glu(self._gemm(x, w1, group_sizes, m1), self._gemm(x, w3, group_sizes, m3),
                      self.beta, self.linear_beta)  # [R, m]
-        return self.gemm(h, w2, group_sizes)
+        return self._gemm(h, w2, group_sizes, m2)
+
+    def _gemm(self, x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor,
+              main_grad: torch.Tensor | None) -> torch.Tensor:
+        if main_grad is None:
+            return self.gemm(x, w, group_sizes)
+        return grouped_mm(x, w, group_sizes, main_grad=main_grad)
 
 
 class LatentMoE(nn.Module):
@@ -167,13 +179,13 @@ class LatentMoE(nn.Module):
         super().__init__()
         d, latent = cfg.hidden_size, cfg.routed_expert_hidden_size
         self.gate = Router(cfg, device)
-        self.routed_expert_down_proj = nn.Linear(d, latent, bias=False, device=device)
+        self.routed_expert_down_proj = Linear(d, latent, bias=False, device=device)
         self.experts = RoutedExperts(cfg.num_experts, latent, cfg.moe_intermediate_size,
                                      cfg.activation_situ_beta, cfg.activation_situ_linear_beta,
                                      device)
         self.routed_expert_norm = (RMSNorm(latent, cfg.rms_norm_eps, device)
                                    if cfg.latent_moe_use_norm else None)
-        self.routed_expert_up_proj = nn.Linear(latent, d, bias=False, device=device)
+        self.routed_expert_up_proj = Linear(latent, d, bias=False, device=device)
         self.shared_experts = (
             SiTUMLP(d, cfg.num_shared_experts * cfg.moe_intermediate_size,
                     cfg.activation_situ_beta, cfg.activation_situ_linear_beta, device)

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from model.config import ModelConfig
+from model.linear import Linear
 from model.loss import IGNORE_INDEX
 from model.norms import RMSNorm
 from model.packing import Packing
@@ -61,9 +62,9 @@ class MTPModule(nn.Module):
         self.attn_res_blocks = [b - 1 for b in cfg.mtp_attn_res_blocks]  # 0-based snapshots
         self.enorm = RMSNorm(d, eps, device)
         self.hnorm = RMSNorm(d, eps, device)
-        self.eh_proj = nn.Linear(2 * d, d, bias=False, device=device)
+        self.eh_proj = Linear(2 * d, d, bias=False, device=device)
         if self.attn_res_blocks:
-            self.h_proj = nn.Linear((len(self.attn_res_blocks) + 1) * d, d, bias=False,
+            self.h_proj = Linear((len(self.attn_res_blocks) + 1) * d, d, bias=False,
                                     device=device)
         from model.decoder import DecoderLayer  # (model.decoder imports this module)
 

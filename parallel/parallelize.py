@@ -24,6 +24,7 @@ from parallel.context_parallel import apply_context_parallel
 from parallel.dims import Meshes, ParallelDims
 from parallel.expert_parallel import apply_expert_parallel, expert_parameters
 from parallel.fsdp import DTYPES, apply_fsdp, dtensor_writer, fsdp_kwargs, units_stay_gathered
+from parallel.grad_accumulation import MainGrads, attach_main_grads
 from parallel.pipeline import (
     LossScale,
     PipelineStageModule,
@@ -52,6 +53,7 @@ class ParallelModel:
     stage_modules: list = field(default_factory=list)  # PipelineStageModule per local stage
     compiled: bool = False  # decoder layers wrapped in torch.compile (parallel.compile)
     keep_gathered: bool = False  # FSDP units stay gathered over a step's micro-batches
+    main_grads: MainGrads | None = None  # fused gradient accumulation (parallel.grad_accumulation)
 
     @property
     def has_first_stage(self) -> bool:
@@ -73,6 +75,11 @@ def parallelize(job, dims: ParallelDims, meshes: Meshes, device: torch.device,
     init_weights(model, job.train.seed, write=dtensor_writer)
     if out.expert_params:
         out.expert_params = expert_parameters(model)
+    if fuses_grad_accumulation(job, dims, n_microbatches):
+        dtype = torch.promote_types(DTYPES[job.cluster.reduce_dtype],
+                                    DTYPES[job.cluster.param_dtype])
+        out.main_grads = attach_main_grads(model, dtype, device,
+                                           experts=not dims.expert_parallel)
     if dims.tp > 1:
         out.tp_params = tp_replicated_params(model.parameters(), meshes.tp)
     if dims.pp > 1:
@@ -84,6 +91,12 @@ def parallelize(job, dims: ParallelDims, meshes: Meshes, device: torch.device,
                                       dims.pp_schedule, meshes.pp.get_group(), device,
                                       n_microbatches, out.loss_scale, io)
     return out
+
+
+def fuses_grad_accumulation(job, dims: ParallelDims, n_microbatches: int) -> bool:
+    """Whether the weight-gradient GEMMs add into FSDP2's accumulator
+    (`parallel.fuse_grad_accumulation`): with 2+ micro-batches, outside pipeline parallelism."""
+    return job.parallel.fuse_grad_accumulation and n_microbatches > 1 and dims.pp == 1
 
 
 def shard_on_meta(job, dims: ParallelDims, meshes: Meshes, pp_rank: int, log=print

@@ -46,6 +46,9 @@ class ParallelConfig:
     # FSDP: false keeps each unit gathered for the whole step (every micro-batch), one
     # all-gather per unit per step; layers under pp > 1 always keep them gathered
     reshard_after_forward: bool = True
+    # with 2+ micro-batches, the weight-gradient GEMMs add into FSDP2's fp32 accumulator
+    # themselves (parallel.grad_accumulation) instead of a cast and an add per micro-batch
+    fuse_grad_accumulation: bool = True
     # GPipe | 1F1B | Interleaved1F1B | LoopedBFS | InterleavedZeroBubble | ZBVZeroBubble
     pp_schedule: str = "1F1B"
     pp_virtual_stages: int = 1  # stages per pp rank (2+ for the interleaved schedules)

@@ -333,6 +333,8 @@ def train_step(pm: ParallelModel, optimizer: torch.optim.Optimizer, batches: lis
                                    "loss" in faults)  # under PP: the loss sum only
         else:
             loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
+            if pm.main_grads is not None:  # fused accumulation: zero, hand to FSDP2
+                pm.main_grads.begin_step()
             for i, mb in enumerate(batches):
                 set_gradient_sync(model, i == len(batches) - 1,
                                   keep_gathered=pm.keep_gathered)

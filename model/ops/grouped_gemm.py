@@ -89,14 +89,21 @@ def _backward(ctx, dy: torch.Tensor):
 _grouped_mm_op.register_autograd(_backward, setup_context=_setup)
 
 
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor,
+               main_grad: torch.Tensor | None = None) -> torch.Tensor:
     """y[rows of group e] = x[rows of group e] @ w[e].T.
 
     x: [S, in] rows sorted by group; w: [G, out, in] (nn.Linear layout per group);
-    group_sizes: [G] int, summing to S. Returns [S, out] in x's dtype.
+    group_sizes: [G] int, summing to S. Returns [S, out] in x's dtype. `main_grad` [G, out, in]:
+    on the "grouped_mm" backend w's gradient is added into it (`model.ops.wgrad`) and w gets
+    none; on "padded_bmm" it is ignored and w gets its gradient as usual.
     """
     if grouped_mm_backend(x, w) == "grouped_mm":
         offs = torch.cumsum(group_sizes, 0).to(torch.int32)  # [G] end offsets, on the device
+        if main_grad is not None:
+            from model.ops.wgrad import grouped_mm_into
+
+            return grouped_mm_into(x, w, offs, main_grad)
         return _grouped_mm_op(x, w, offs)
     return _padded_bmm(x, w, group_sizes)
 

@@ -33,9 +33,11 @@ def packed_batch(batch: int = 2, seq: int = 64, seed: int = 0, vocab: int = 512)
     return ids, flat.view(batch, seq), cu
 
 
-def fsdp_debug_pair(world: int, seed: int = 5, reshard_after_forward: bool = True):
+def fsdp_debug_pair(world: int, seed: int = 5, reshard_after_forward: bool = True,
+                    param_dtype: str = "fp32"):
     """(the debug model FSDP2-sharded over `world` data ranks, the same model on one device),
-    initialised alike; call inside a process group of `world` ranks."""
+    initialised alike; call inside a process group of `world` ranks. `param_dtype`: FSDP2's
+    compute dtype (gradients reduced in fp32)."""
     from model.init import init_weights
     from parallel.dims import ParallelDims
     from parallel.fsdp import apply_fsdp, dtensor_writer
@@ -43,7 +45,24 @@ def fsdp_debug_pair(world: int, seed: int = 5, reshard_after_forward: bool = Tru
 
     mesh = ParallelDims.from_config(ParallelConfig(), world).build_meshes("cpu").dp
     sharded = build_model("debug", device="meta")
-    apply_fsdp(sharded, mesh, reshard_after_forward=reshard_after_forward)
+    apply_fsdp(sharded, mesh, param_dtype, reshard_after_forward=reshard_after_forward)
     sharded.to_empty(device="cpu")
     init_weights(sharded, seed=seed, write=dtensor_writer)
     return sharded, build_model("debug", seed=seed)
+
+
+def attach_main_grads(model) -> dict[str, torch.Tensor]:
+    """Buffers on every fusable weight, as `parallel.grad_accumulation` attaches them under
+    FSDP2 (here without it): parameter name -> buffer."""
+    from model.linear import Linear
+    from model.moe import RoutedExperts
+
+    out = {}
+    for name, mod in model.named_modules():
+        if type(mod) is Linear:
+            mod.main_grad = out[f"{name}.weight"] = torch.zeros_like(mod.weight)
+        elif isinstance(mod, RoutedExperts):
+            mod.main_grads = tuple(torch.zeros_like(getattr(mod, w)) for w in ("w1", "w3", "w2"))
+            out.update({f"{name}.{w}": b for w, b in zip(("w1", "w3", "w2"), mod.main_grads)})
+    return out
+

@@ -2,8 +2,8 @@
 cross-entropy logit gradient, the router's QB statistics) under TRITON_INTERPRET=1.
 
 One subprocess (the variable must be set before triton.jit runs) with K3_ATTNRES_BACKEND,
-K3_SITU_BACKEND, K3_CONV_BACKEND, K3_NORM_BACKEND, K3_COMBINE_BACKEND, K3_CE_BACKEND and
-K3_ROUTER_STATS_BACKEND forced to "triton"
+K3_SITU_BACKEND, K3_CONV_BACKEND, K3_NORM_BACKEND, K3_COMBINE_BACKEND, K3_CE_BACKEND,
+K3_ROUTER_STATS_BACKEND and K3_GROUPED_WGRAD_BACKEND forced to "triton"
 runs the model's ops forward and backward on CPU tensors and compares them with the
 autograd-differentiated reference formulas in float64 (`*_reference`; independent of the
 kernels' hand-written backward). AttnRes shapes cover no snapshots, K3's 8
@@ -16,7 +16,9 @@ partials); the norms (RMSNorm with its weight, sigmoid-gated, L2 without) cover 
 the strided backward rows; the logit gradient two vocabulary blocks (the second partial) and
 ignored rows, against float64 softmax, and the chunked loss on it (4 chunks and 1) against
 F.cross_entropy; the router statistics must equal the PyTorch reference's integer counts
-exactly (experts not a power of two, several token blocks, a NaN row). All against float64.
+exactly (experts not a power of two, several token blocks, a NaN row); the grouped weight
+gradient, through `grouped_mm`'s backward into a buffer over two micro-batches, a per-expert
+float64 loop (an empty expert, widths not tile multiples). All against float64.
 The script asserts every kernel actually ran.
 """
 
@@ -39,8 +41,9 @@ import torch.nn.functional as F
 from model.loss import chunked_cross_entropy
 from model.balancing import expert_loads, margin_histogram
 from model.moe import record_router_stats
-from model.ops import (attnres_triton, ce_grad_triton, combine_triton, rms_norm_triton,
-                       router_stats_triton, short_conv_triton, situ_triton)
+from model.ops import (attnres_triton, ce_grad_triton, combine_triton, grouped_wgrad_triton,
+                       rms_norm_triton, router_stats_triton, short_conv_triton, situ_triton)
+from model.ops.grouped_gemm import grouped_mm
 from model.ops.ce_grad import ce_logit_grad
 from model.ops.combine import weighted_combine, weighted_combine_reference
 from model.ops.rms_norm import (gated_rms_norm, gated_rms_norm_reference, l2_norm,
@@ -62,7 +65,8 @@ for mod, names in ((attnres_triton, ("mix_fwd", "mix_bwd")),
                    (rms_norm_triton, ("norm_fwd", "norm_bwd")),
                    (combine_triton, ("combine_fwd", "combine_bwd")),
                    (ce_grad_triton, ("ce_grad",)),
-                   (router_stats_triton, ("router_stats",))):
+                   (router_stats_triton, ("router_stats",)),
+                   (grouped_wgrad_triton, ("grouped_wgrad_accumulate",))):
     for n in names:
         counted(mod, n)
 
@@ -186,6 +190,25 @@ for S, E, k, bins in [(37, 64, 8, 1000), (70, 130, 2, 7), (3, 5, 4, 50)]:
     mismatch += int((counts != want).sum()) + int((load != 5 + expert_loads(idx, E, scores)).sum())
     assert int(counts.sum()) == 3 * E * bins + (S - 1) * E  # the NaN row is not counted
 worst["router stats mismatches"] = mismatch
+# the experts' weight gradient added into an fp32 buffer (gradient-accumulation fusion): through
+# grouped_mm's backward, twice (two micro-batches), against a per-expert float64 loop; an empty
+# expert, one with more rows than a K step, widths that are not tile multiples (16-byte rows, as _grouped_mm needs)
+for sizes, out_f, in_f in [([5, 0, 23, 40], 24, 40), ([1, 17], 48, 16)]:
+    for dtype in (torch.float32, torch.bfloat16):
+        w = torch.randn(len(sizes), out_f, in_f).to(dtype).requires_grad_()
+        buf = torch.randn(len(sizes), out_f, in_f)
+        want = buf.double().clone()
+        for _ in range(2):
+            x = torch.randn(sum(sizes), in_f).to(dtype)
+            dy = torch.randn(sum(sizes), out_f).to(dtype)
+            grouped_mm(x, w, torch.tensor(sizes), main_grad=buf).backward(dy)
+            start = 0
+            for e, n in enumerate(sizes):
+                want[e] += dy[start:start + n].double().t() @ x[start:start + n].double()
+                start += n
+        assert w.grad is None and buf.dtype == torch.float32
+        worst[f"grouped wgrad {dtype}"] = max(worst.get(f"grouped wgrad {dtype}", 0.0),
+                                              rel(buf, want))
 print(json.dumps({"worst": worst, "calls": calls}))
 """
 
@@ -195,7 +218,7 @@ def test_triton_kernels_interpreted() -> None:
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT),
                K3_ATTNRES_BACKEND="triton", K3_SITU_BACKEND="triton", K3_CONV_BACKEND="triton",
                K3_NORM_BACKEND="triton", K3_COMBINE_BACKEND="triton", K3_CE_BACKEND="triton",
-               K3_ROUTER_STATS_BACKEND="triton")
+               K3_ROUTER_STATS_BACKEND="triton", K3_GROUPED_WGRAD_BACKEND="triton")
     proc = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -203,7 +226,8 @@ def test_triton_kernels_interpreted() -> None:
     worst, calls = out["worst"], out["calls"]
     assert calls == {"mix_fwd": 8, "mix_bwd": 8, "situ_fwd": 2, "situ_bwd": 2, "conv_fwd": 6,
                      "conv_bwd": 6, "norm_fwd": 18, "norm_bwd": 18,
-                     "combine_fwd": 6, "combine_bwd": 6, "ce_grad": 7, "router_stats": 3}, calls
+                     "combine_fwd": 6, "combine_bwd": 6, "ce_grad": 7, "router_stats": 3,
+                     "grouped_wgrad_accumulate": 8}, calls
     assert worst["attnres torch.float32"] < 2e-5, worst
     assert worst["attnres torch.bfloat16"] < 2e-2, worst  # bf16 outputs: ~2^-8 rounding
     assert worst["situ torch.float32"] < 5e-6, worst
@@ -218,3 +242,5 @@ def test_triton_kernels_interpreted() -> None:
     assert worst["ce torch.bfloat16"] < 1e-2, worst
     assert worst["ce loss"] < 1e-5, worst
     assert worst["router stats mismatches"] == 0, worst
+    assert worst["grouped wgrad torch.float32"] < 1e-5, worst
+    assert worst["grouped wgrad torch.bfloat16"] < 1e-5, worst  # exact products, fp32 sums

@@ -26,7 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from model.ops.backends import force_cuda_backends
 from model.packing import Packing
 from parallel.activation_checkpoint import apply_activation_checkpointing, apply_compile
-from tests.helpers.tiny import debug_config, packed_batch, tiny_model
+from tests.helpers.tiny import attach_main_grads, debug_config, packed_batch, tiny_model
 
 LAYERS = {"kda_dense": 0, "kda_moe": 1, "mla_moe": 3}  # debug: layer 0 dense, MLA at 3 and 7
 
@@ -117,6 +117,31 @@ def test_layer_is_one_graph_forced_cuda_backends(setup, name):
     assert ops.get("k3.short_conv.default", 0) == (3 if name.startswith("kda") else 0), ops
     if name.endswith("moe"):
         assert ops["k3.grouped_mm.default"] == 3 and ops["k3.record_router_stats.default"] == 1
+
+
+@pytest.mark.parametrize("forced", [False, True])
+def test_layer_with_fused_grad_accumulation_is_one_graph(setup, forced):
+    """With `main_grad` buffers attached (`parallel.grad_accumulation`), each layer type is
+    still one graph, CPU and CUDA backends: the fused-gradient GEMMs are autograd functions
+    dynamo traces, not breaks."""
+    model, cu, shape, inputs = setup
+    for name, idx in LAYERS.items():
+        layer = type(model.layers[str(idx)])(model.config, idx)
+        layer.load_state_dict(model.layers[str(idx)].state_dict())
+        layer.train()
+        assert attach_main_grads(layer)
+        prefix, blocks = inputs[idx]
+        packing = _fresh(cu, shape)
+        torch._dynamo.reset()
+        if forced:
+            with force_cuda_backends(), FakeTensorMode(allow_non_fake_inputs=True) as fake:
+                explained = torch._dynamo.explain(layer)(
+                    fake.from_tensor(prefix).requires_grad_(), fake.from_tensor(blocks),
+                    packing)
+        else:
+            explained = torch._dynamo.explain(layer)(
+                prefix.detach().clone().requires_grad_(), blocks, packing)
+        _assert_one_graph(explained, f"{name} (fused accumulation, forced={forced})")
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
