@@ -191,7 +191,8 @@ COMPUTE_CATEGORIES = ("gemm", "attention", "kda")  # the rest is `non_gemm_fract
 
 GEMM_OPS = {"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._scaled_mm",
             "aten._grouped_mm", "aten._scaled_grouped_mm", "k3.grouped_mm",
-            "k3.grouped_mm_wgrad", "aten.convolution", "aten.convolution_backward"}
+            "k3.grouped_mm_wgrad", "k3.wgrad_accumulate", "k3.grouped_wgrad_accumulate",
+            "aten.convolution", "aten.convolution_backward"}
 ATTENTION_OPS = {"k3.varlen_attention", "k3.varlen_attention_backward",
                  "aten._scaled_dot_product_flash_attention",
                  "aten._scaled_dot_product_flash_attention_backward",
@@ -204,7 +205,8 @@ ATTENTION_OPS = {"k3.varlen_attention", "k3.varlen_attention_backward",
 KDA_OPS = {"k3.chunk_kda_fla", "k3.chunk_kda_fla_bwd"}
 MATMUL_OPS = GEMM_OPS | ATTENTION_OPS | KDA_OPS
 # custom ops over library kernels, costed by formula; other k3:: ops are traced through
-FORMULA_OPS = {"k3.grouped_mm", "k3.grouped_mm_wgrad", "k3.varlen_attention",
+FORMULA_OPS = {"k3.grouped_mm", "k3.grouped_mm_wgrad", "k3.wgrad_accumulate",
+               "k3.grouped_wgrad_accumulate", "k3.varlen_attention",
                "k3.varlen_attention_backward", "k3.chunk_kda_fla", "k3.chunk_kda_fla_bwd"}
 # our fused kernels (one launch each unless KERNELS says; bytes = inputs + outputs, 1 vector FLOP
 # per element)
@@ -457,6 +459,9 @@ class _Formulas:
             return 2.0 * x.shape[0] * x.shape[1] * w.shape[1]
         if name == "k3.grouped_mm_wgrad":  # dy [S, out], x [S, in]
             dy, x = args[0], args[1]
+            return 2.0 * dy.shape[0] * dy.shape[1] * x.shape[1]
+        if name in ("k3.wgrad_accumulate", "k3.grouped_wgrad_accumulate"):  # main, dy, x
+            dy, x = args[1], args[2]
             return 2.0 * dy.shape[0] * dy.shape[1] * x.shape[1]
         if name in ("k3.varlen_attention", "k3.varlen_attention_backward"):
             bwd = name.endswith("backward")
@@ -829,7 +834,8 @@ def _fsdp_units(module: torch.nn.Module, layer: int | None, reshard: bool = True
 
 
 def _fsdp_copies(trace: Trace, units: list[tuple[int, int, int]], shards: int = 1,
-                 micro_batches: int = 1, keep_gathered: bool = False) -> None:
+                 micro_batches: int = 1, keep_gathered: bool = False,
+                 fused: tuple[int, int] = (0, 0)) -> None:
     """FSDP2's mixed-precision copies (analytic), per unit and all-gather: copy-in of the fp32
     shard into the bf16 all-gather buffer (6 B per shard element), copy-out of the gathered
     bf16 parameters (4 B per element), one kernel each, every micro-batch (each one's forward
@@ -840,7 +846,9 @@ def _fsdp_copies(trace: Trace, units: list[tuple[int, int, int]], shards: int = 
     first backward each unsharded bf16 gradient becomes an fp32 copy (6 B per element), after each
     later one it is added into it (10 B), one kernel per parameter tensor each. Before the
     reduce-scatter, the gradients into the fp32 buffer: 6 B per element from bf16, 8 B from the
-    fp32 accumulator; one kernel per unit."""
+    fp32 accumulator; one kernel per unit. `fused` (elements, tensors) of the weights whose
+    wgrad GEMMs add into the accumulator themselves (`parallel.grad_accumulation`): no cast or
+    add for them (their buffers' zeroing, once a step, is traced)."""
     gathered = sum(n * g for n, g, _ in units)
     gathers = sum(g for _, g, _ in units)
     params = sum(n for n, _, _ in units)
@@ -855,8 +863,9 @@ def _fsdp_copies(trace: Trace, units: list[tuple[int, int, int]], shards: int = 
     add("fsdp.all_gather_copy_in", -(-gathered // shards), 6, gathers, every)
     add("fsdp.all_gather_copy_out", gathered, 4, gathers, every)
     if n > 1:
-        add("fsdp.grad_to_fp32", params, 6, tensors)
-        add("fsdp.grad_accumulate", params, 10, tensors, n - 1)
+        fused_elems, fused_tensors = fused
+        add("fsdp.grad_to_fp32", params - fused_elems, 6, tensors - fused_tensors)
+        add("fsdp.grad_accumulate", params - fused_elems, 10, tensors - fused_tensors, n - 1)
     add("fsdp.reduce_scatter_copy_in", params, 6 if n == 1 else 8, len(units))
 
 
@@ -897,6 +906,8 @@ def trace_step(job: Job, layer: int | None = None, optimizer_shards: int = 1,
     from model.ops.backends import force_cuda_backends
     from model.packing import Packing
     from parallel.fsdp import units_stay_gathered
+    from parallel.grad_accumulation import attach_local_main_grads
+    from parallel.parallelize import fuses_grad_accumulation
     from train.flops import step_flops
 
     cfg, d = job.model, job.job.data
@@ -918,10 +929,19 @@ def trace_step(job: Job, layer: int | None = None, optimizer_shards: int = 1,
     _cast_params(compute, dtype)
     regions = CompiledRegions(trace, sys.modules[__name__])
     layers = (compute.decoder_layers() if layer is None else [compute]) if compiled else []
+    n_micro = job.micro_batches
+    fused_accumulation = fuses_grad_accumulation(job.job, job.dims, n_micro)
+    fused_elems = fused_tensors = 0
     with force_cuda_backends(), FakeTensorMode(allow_non_fake_inputs=True), \
             contextlib.ExitStack() as stack:
         compute.to_empty(device="cpu")
         compute.train()
+        if fused_accumulation:  # the wgrad GEMMs add into fp32 buffers (parallel.fuse_grad_...)
+            mains = attach_local_main_grads(compute, torch.float32)
+            fused_elems = sum(b.numel() for b in mains.values())
+            fused_tensors = len(mains)
+            with trace.recording("optimizer"):  # MainGrads.begin_step, once a step
+                torch._foreach_zero_(list(mains.values()))
         if compiled:
             stack.enter_context(regions.compiled(layers))
         cu = torch.tensor(bounds, dtype=torch.int32)
@@ -953,14 +973,13 @@ def trace_step(job: Job, layer: int | None = None, optimizer_shards: int = 1,
     unmatched: dict = {}
     if compiled:
         trace.records, unmatched = regions.substitute(trace.records)
-    n_micro = job.micro_batches
     for r in trace.records:  # every micro-batch runs forward and backward; the rest is per step
         if r.phase in ("forward", "backward"):
             r.count = n_micro
     _optimizer_ops(trace, master, job.job, optimizer_shards)
     keep = units_stay_gathered(job.job.parallel.reshard_after_forward, job.dims.pp)
     _fsdp_copies(trace, _fsdp_units(master, layer, reshard=not keep), optimizer_shards, n_micro,
-                 keep)
+                 keep, (fused_elems, fused_tensors))
     if layer is None:
         model_flops = step_flops(cfg, lengths)
     else:

@@ -64,28 +64,55 @@ def _fsdp_params(model: nn.Module) -> list:
     return out
 
 
+def fusable(module: nn.Module, name: str, experts: bool = True) -> bool:
+    """Whether `module`'s parameter `name` has a fused weight-gradient GEMM: a bias-free
+    `Linear`'s weight, or (unless `experts=False`) a `RoutedExperts` stack."""
+    if type(module) is Linear:
+        return name == "weight" and module.bias is None
+    return experts and type(module) is RoutedExperts and name in _EXPERT_STACKS
+
+
+def _point(found: list[tuple[nn.Module, str, torch.Tensor]]) -> None:
+    """Point each module at its buffers (the experts need all three stacks)."""
+    stacks: dict[int, tuple[nn.Module, dict[str, torch.Tensor]]] = {}
+    for mod, name, buf in found:
+        if isinstance(mod, Linear):
+            mod.main_grad = buf
+        else:
+            stacks.setdefault(id(mod), (mod, {}))[1][name] = buf
+    for mod, bufs in stacks.values():
+        if len(bufs) == len(_EXPERT_STACKS):
+            mod.main_grads = tuple(bufs[n] for n in _EXPERT_STACKS)  # type: ignore[assignment]
+
+
 def attach_main_grads(model: nn.Module, dtype: torch.dtype, device: torch.device,
                       experts: bool = True) -> MainGrads:
     """Give every fusable FSDP2-managed weight of `model` a zeroed `dtype` buffer of its
     unsharded shape (`dtype`: the reduce dtype, at least the parameters' precision) and point
     the module at it. `experts=False` (expert parallelism) leaves the expert stacks alone."""
-    mains = MainGrads()
-    stacks: dict[int, dict[str, torch.Tensor]] = {}
+    mains, found = MainGrads(), []
     for fp in _fsdp_params(model):
         mod, name = fp._module_info.module, fp._module_info.param_name
-        linear = type(mod) is Linear and name == "weight" and mod.bias is None
-        stack = experts and type(mod) is RoutedExperts and name in _EXPERT_STACKS
-        if fp.is_dtensor or not (linear or stack):
+        if fp.is_dtensor or not fusable(mod, name, experts):
             continue
         buf = torch.zeros(fp._orig_size, dtype=dtype, device=device)
-        if linear:
-            mod.main_grad = buf
-        else:
-            stacks.setdefault(id(mod), {"module": mod})[name] = buf  # type: ignore[dict-item]
+        found.append((mod, name, buf))
         mains.buffers.append(buf)
         mains.fsdp_params.append(fp)
-    for entry in stacks.values():
-        mod = entry.pop("module")
-        if len(entry) == len(_EXPERT_STACKS):
-            mod.main_grads = tuple(entry[n] for n in _EXPERT_STACKS)  # type: ignore[union-attr]
+    _point(found)
     return mains
+
+
+def attach_local_main_grads(model: nn.Module, dtype: torch.dtype | None = None
+                            ) -> dict[str, torch.Tensor]:
+    """The same buffers on a model without FSDP2 (fake-tensor traces, tests): parameter name ->
+    zeroed buffer like the parameter (in `dtype` if given); the caller reads them."""
+    out, found = {}, []
+    for mname, mod in model.named_modules():
+        for name, p in mod.named_parameters(recurse=False):
+            if fusable(mod, name):
+                buf = torch.zeros_like(p, dtype=dtype, requires_grad=False)
+                out[f"{mname}.{name}" if mname else name] = buf
+                found.append((mod, name, buf))
+    _point(found)
+    return out

@@ -50,19 +50,3 @@ def fsdp_debug_pair(world: int, seed: int = 5, reshard_after_forward: bool = Tru
     init_weights(sharded, seed=seed, write=dtensor_writer)
     return sharded, build_model("debug", seed=seed)
 
-
-def attach_main_grads(model) -> dict[str, torch.Tensor]:
-    """Buffers on every fusable weight, as `parallel.grad_accumulation` attaches them under
-    FSDP2 (here without it): parameter name -> buffer."""
-    from model.linear import Linear
-    from model.moe import RoutedExperts
-
-    out = {}
-    for name, mod in model.named_modules():
-        if type(mod) is Linear:
-            mod.main_grad = out[f"{name}.weight"] = torch.zeros_like(mod.weight)
-        elif isinstance(mod, RoutedExperts):
-            mod.main_grads = tuple(torch.zeros_like(getattr(mod, w)) for w in ("w1", "w3", "w2"))
-            out.update({f"{name}.{w}": b for w, b in zip(("w1", "w3", "w2"), mod.main_grads)})
-    return out
-

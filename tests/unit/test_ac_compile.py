@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from parallel.activation_checkpoint import apply_activation_checkpointing, apply_compile
-from tests.helpers.tiny import attach_main_grads, debug_config, packed_batch
+from parallel.grad_accumulation import attach_local_main_grads
+from tests.helpers.tiny import debug_config, packed_batch
 
 SMALL = debug_config(num_hidden_layers=4, full_attn_layers=[4])  # layers 0-2 KDA, 3 MLA
 
@@ -90,7 +91,7 @@ def test_fused_weight_gradients_accumulate_in_compiled_layers(compiled):
 
     ref = build_model(SMALL, seed=0)
     model = build_model(SMALL, seed=0)
-    mains = attach_main_grads(model)
+    mains = attach_local_main_grads(model)
     if compiled:
         apply_compile(list(model.layers.values()), backend="aot_eager")
     ids, labels, cu = packed_batch()

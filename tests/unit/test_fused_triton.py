@@ -192,7 +192,8 @@ for S, E, k, bins in [(37, 64, 8, 1000), (70, 130, 2, 7), (3, 5, 4, 50)]:
 worst["router stats mismatches"] = mismatch
 # the experts' weight gradient added into an fp32 buffer (gradient-accumulation fusion): through
 # grouped_mm's backward, twice (two micro-batches), against a per-expert float64 loop; an empty
-# expert, one with more rows than a K step, widths that are not tile multiples (16-byte rows, as _grouped_mm needs)
+# expert, one with more rows than a K step, widths that are not tile multiples (16-byte rows,
+# as _grouped_mm needs)
 for sizes, out_f, in_f in [([5, 0, 23, 40], 24, 40), ([1, 17], 48, 16)]:
     for dtype in (torch.float32, torch.bfloat16):
         w = torch.randn(len(sizes), out_f, in_f).to(dtype).requires_grad_()

@@ -26,7 +26,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from model.ops.backends import force_cuda_backends
 from model.packing import Packing
 from parallel.activation_checkpoint import apply_activation_checkpointing, apply_compile
-from tests.helpers.tiny import attach_main_grads, debug_config, packed_batch, tiny_model
+from parallel.grad_accumulation import attach_local_main_grads
+from tests.helpers.tiny import debug_config, packed_batch, tiny_model
 
 LAYERS = {"kda_dense": 0, "kda_moe": 1, "mla_moe": 3}  # debug: layer 0 dense, MLA at 3 and 7
 
@@ -129,7 +130,7 @@ def test_layer_with_fused_grad_accumulation_is_one_graph(setup, forced):
         layer = type(model.layers[str(idx)])(model.config, idx)
         layer.load_state_dict(model.layers[str(idx)].state_dict())
         layer.train()
-        assert attach_main_grads(layer)
+        assert attach_local_main_grads(layer)
         prefix, blocks = inputs[idx]
         packing = _fresh(cu, shape)
         torch._dynamo.reset()
