@@ -17,9 +17,10 @@ Bytes per rank (`state_gib`): fp32 master weights + fp32 gradients + AdamW's two
 micro-batches), the gathered compute-dtype weights of the rank's layers
 (`gathered_weights_gib`), and, with more than one micro-batch per step, what FSDP2's unsharded
 gradient accumulator holds beyond the sharded gradient (`grad_accumulator_gib`: the gathered
-parameters less the local ones, in the reduce dtype). With `optim=muon`: the matrices that go
-to owner ranks and the most bytes any data rank sends per step in Muon's two exchanges
-(`muon_exchange_gib`, fp32).
+parameters less the local ones, in the reduce dtype; with `parallel.fuse_grad_accumulation`, the
+default, the fused weights' share of it is kept between steps too). With `optim=muon`: the
+matrices that go to owner ranks and the most bytes any data rank sends per step in Muon's two
+exchanges (`muon_exchange_gib`, fp32).
 
 Activations (`parallel.activation_memory`, an analytic model checked against fake-tensor
 traces) in the cluster's `param_dtype` (bf16 on the GPU clusters; a GPU cluster is accepted

@@ -7,7 +7,10 @@ K3-ish shape: 64 groups, 3584 -> 3072 (w [64, 3072, 3584]), 16384 rows in uneven
 empty ones (groups 0 and 32) and odd sizes (1, 3, 17, ...). `--small`: 6 groups, 64 -> 48, 301
 rows. Reports relative errors of y, dx, dw against the fp32 reference on the same bf16 values,
 the largest |dw| of the empty groups (must be exactly 0), and ms of forward and forward+backward
-for grouped_mm bf16, _padded_bmm bf16 and the fp32 reference, plus grouped_mm's TFLOP/s.
+for grouped_mm bf16, _padded_bmm bf16 and the fp32 reference, plus grouped_mm's TFLOP/s; and
+`fused_wgrad`: the weight gradient added into an fp32 buffer by `k3::grouped_wgrad_accumulate`
+(our Triton kernel on CUDA, gradient-accumulation fusion), its error against the fp32 reference
+and its ms and TFLOP/s against the unfused form (bf16 grouped wgrad, then an add).
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import functools
 import gpu_common as common
 import torch
 
-from model.ops.grouped_gemm import _padded_bmm, grouped_mm, grouped_mm_backend
+from model.ops.grouped_gemm import _grouped_mm_wgrad_op, _padded_bmm, grouped_mm, grouped_mm_backend
+from model.ops.wgrad import grouped_wgrad_accumulate
 
 TOL_NORM_REL = 1e-2  # bf16 operands, fp32 accumulation
 
@@ -75,6 +79,27 @@ def main(ctx: common.Ctx, out: dict) -> bool:
 
     common.attempt(out, "errors", errors)
     flops = 2.0 * S * K * N
+    offs = torch.cumsum(sz, 0).to(torch.int32)
+
+    def fused_wgrad() -> dict:
+        """The experts' weight gradient added into an fp32 buffer (gradient-accumulation
+        fusion, `k3::grouped_wgrad_accumulate`: our Triton kernel on CUDA) against the fp32
+        reference, and its time against the unfused form (bf16 grouped wgrad, then the add)."""
+        buf = torch.zeros(G, N, K, device=dev)
+        grouped_wgrad_accumulate(buf, dy, x, offs)
+        res = {"dw": common.rel_err(buf, run(_padded_bmm, torch.float32)[2])}
+        res["within_tol"] = res["dw"]["norm_rel"] <= TOL_NORM_REL
+        if not res["within_tol"]:
+            out.setdefault("failed", []).append("fused_wgrad")
+        fused = common.best_ms(ctx, lambda: grouped_wgrad_accumulate(buf, dy, x, offs))
+        unfused = common.best_ms(ctx, lambda: buf.add_(_grouped_mm_wgrad_op(dy, x, offs)))
+        res.update(fused_ms=fused["ms"], unfused_ms=unfused["ms"],
+                   fused_tflops=flops / fused["ms"] / 1e9,
+                   unfused_tflops=flops / unfused["ms"] / 1e9)
+        return res
+
+    if ctx.left() > 10:
+        common.attempt(out, "fused_wgrad", fused_wgrad)
     timings: dict = {}
     for name, fn, dtype in (("grouped_mm_bf16", grouped_mm, torch.bfloat16),
                             ("padded_bmm_bf16", _padded_bmm, torch.bfloat16),

@@ -52,8 +52,8 @@ LIST_NOT_REPLAYED = 12
 # k3 ops other than these run Triton kernels (fla KDA, our fused elementwise ones): their first
 # call compiles and autotunes, which nothing here can interrupt, so they run only with
 # JIT_MIN_LEFT_S of the budget left
-LIBRARY_K3_OPS = {"k3.grouped_mm", "k3.grouped_mm_wgrad", "k3.varlen_attention",
-                  "k3.varlen_attention_backward"}
+LIBRARY_K3_OPS = {"k3.grouped_mm", "k3.grouped_mm_wgrad", "k3.wgrad_accumulate",
+                  "k3.varlen_attention", "k3.varlen_attention_backward"}
 JIT_MIN_LEFT_S = 15.0
 
 

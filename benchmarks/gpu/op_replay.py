@@ -181,8 +181,10 @@ class _Builder:
                 raise NotReplayable(f"{name} of {spec.shape}: not the traced "
                                     f"{len(self.bounds) - 1} documents")
             return torch.tensor(self.bounds, dtype=dt, device=dev)
-        if self.op in ("k3.grouped_mm", "k3.grouped_mm_wgrad") and name == "offs":
-            rows, groups = self.named[next(iter(self.named))].shape[0], math.prod(spec.shape)
+        if self.op in ("k3.grouped_mm", "k3.grouped_mm_wgrad",
+                       "k3.grouped_wgrad_accumulate") and name == "offs":
+            rows_of = self.named.get("dy", self.named[next(iter(self.named))])  # [S, ...]
+            rows, groups = rows_of.shape[0], math.prod(spec.shape)
             if spec.stride != (1,):
                 raise NotReplayable(f"offs of strides {spec.stride}")
             ends = [round((i + 1) * rows / groups) for i in range(groups)]  # equal groups

@@ -93,6 +93,16 @@ def test_document_bounds_and_grouped_gemm_offsets():
     args, _ = op_replay.build(rp, torch.device("cpu"), [0, 10])
     assert args[2].tolist() == [3, 7, 10] and args[2].dtype == torch.int32
     assert rp.op(*args).shape == (10, 16)
+    import model.ops.wgrad  # noqa: F401 - registers k3::grouped_wgrad_accumulate
+
+    with FakeTensorMode():  # the fused weight gradient: offsets over dy's rows, not main_grad's
+        main = torch.zeros(3, 16, 8)
+        dy = torch.randn(10, 16, dtype=torch.bfloat16)
+    rp = roofline.replay_spec(torch.ops.k3.grouped_wgrad_accumulate.default,
+                              (main, dy, x, offs), {})
+    args, _ = op_replay.build(rp, torch.device("cpu"), [0, 10])
+    assert args[3].tolist() == [3, 7, 10]
+    rp.op(*args)
     spec = roofline.TensorSpec((3,), (1,), torch.int32, True)
     b = op_replay._Builder(rp, torch.device("cpu"), [0, 4, 9])
     assert b.tensor("cu_seqlens", spec, None).tolist() == [0, 4, 9]
