@@ -72,13 +72,19 @@ def test_exact_resume_is_bit_identical(runs):
 
 
 def test_fsdp_two_ranks_equal_one_rank(runs):
-    """Losses (see assert_losses_match), the data order, and the gradient norms of the steps
-    before Quantile Balancing can move a bias across a bin edge (steps 1-4)."""
+    """Losses (see assert_losses_match), the data order, and the gradient norms: step 1's to
+    1e-6 (the same weights; only the fp32 reduction order differs, seen 1e-9), steps 2-4 to
+    1e-3. After the first update the weights differ by fp32 rounding, and AdamW's m / sqrt(v)
+    turns the relative noise of near-zero gradients into updates of order lr, so the norms
+    drift apart by 1e-5 .. 1e-4 (seen on a 2026-12-04 machine, fused or unfused gradient
+    accumulation alike); the float64 layout runs (tests/e2e/test_expert_parallel.py, ...)
+    hold every step to 1e-6."""
     assert_losses_match(losses(runs["A"]), losses(runs["C"]))
     assert sample_ids(runs["A"]) == sample_ids(runs["C"])
     norms = [{m["step"]: m["grad_norm"] for m in metrics(runs[r])} for r in ("A", "C")]
     for s in range(1, 5):
-        assert close(norms[0][s], norms[1][s], 1e-5), (s, norms[0][s], norms[1][s])
+        tol = 1e-6 if s == 1 else 1e-3
+        assert close(norms[0][s], norms[1][s], tol), (s, norms[0][s], norms[1][s])
 
 
 def test_quantile_balancing_is_layout_independent(runs):
