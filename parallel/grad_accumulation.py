@@ -29,6 +29,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from model.linear import Linear
 from model.moe import RoutedExperts
+from model.ops.grouped_gemm import grouped_mm
 
 _EXPERT_STACKS = ("w1", "w3", "w2")
 
@@ -49,6 +50,8 @@ class MainGrads:
     def begin_step(self) -> None:
         """Zero the buffers and make them FSDP2's accumulated gradients for this step (FSDP2
         drops its reference after the reduce-scatter of the last micro-batch)."""
+        if not self.buffers:
+            return
         torch._foreach_zero_(self.buffers)
         for fsdp_param, buf in zip(self.fsdp_params, self.buffers):
             fsdp_param.unsharded_accumulated_grad = buf
@@ -66,10 +69,12 @@ def _fsdp_params(model: nn.Module) -> list:
 
 def fusable(module: nn.Module, name: str, experts: bool = True) -> bool:
     """Whether `module`'s parameter `name` has a fused weight-gradient GEMM: a bias-free
-    `Linear`'s weight, or (unless `experts=False`) a `RoutedExperts` stack."""
+    `Linear`'s weight (not an MXFP8 one: another class), or (unless `experts=False`) a
+    `RoutedExperts` stack on the bf16 grouped GEMM."""
     if type(module) is Linear:
         return name == "weight" and module.bias is None
-    return experts and type(module) is RoutedExperts and name in _EXPERT_STACKS
+    return (experts and type(module) is RoutedExperts and name in _EXPERT_STACKS
+            and module.gemm is grouped_mm)  # not the MXFP8 grouped GEMM
 
 
 def _point(found: list[tuple[nn.Module, str, torch.Tensor]]) -> None:
@@ -86,10 +91,11 @@ def _point(found: list[tuple[nn.Module, str, torch.Tensor]]) -> None:
 
 
 def attach_main_grads(model: nn.Module, dtype: torch.dtype, device: torch.device,
-                      experts: bool = True) -> MainGrads:
+                      experts: bool = True) -> MainGrads | None:
     """Give every fusable FSDP2-managed weight of `model` a zeroed `dtype` buffer of its
     unsharded shape (`dtype`: the reduce dtype, at least the parameters' precision) and point
-    the module at it. `experts=False` (expert parallelism) leaves the expert stacks alone."""
+    the module at it. `experts=False` (expert parallelism) leaves the expert stacks alone.
+    None when nothing is fusable (no FSDP2 units, tensor-parallel or MXFP8 weights)."""
     mains, found = MainGrads(), []
     for fp in _fsdp_params(model):
         mod, name = fp._module_info.module, fp._module_info.param_name
@@ -100,7 +106,7 @@ def attach_main_grads(model: nn.Module, dtype: torch.dtype, device: torch.device
         mains.buffers.append(buf)
         mains.fsdp_params.append(fp)
     _point(found)
-    return mains
+    return mains if len(mains) else None
 
 
 def attach_local_main_grads(model: nn.Module, dtype: torch.dtype | None = None

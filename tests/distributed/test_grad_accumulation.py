@@ -110,3 +110,16 @@ def test_fused_accumulation_matches_single_device_fp32():
 
 def test_fused_accumulation_bf16_compute_fp32_buffers():
     run_ranks(_fused_accumulation, 2, "bf16")
+
+
+def test_nothing_fusable_attaches_nothing():
+    """A model with no FSDP2 units (the single-process reference runs, fp64 verification,
+    tensor-parallel or MXFP8 weights) gets no buffers: the trainer's per-step `begin_step` is
+    skipped, and an empty MainGrads is a no-op rather than a failing `_foreach_zero_`."""
+    from parallel.grad_accumulation import MainGrads, attach_main_grads
+    from tests.helpers.tiny import tiny_model
+
+    model = tiny_model()
+    assert attach_main_grads(model, torch.float32, torch.device("cpu")) is None
+    assert all(p.grad is None for p in model.parameters())
+    MainGrads().begin_step()

@@ -102,12 +102,18 @@ def test_quantile_balancing_is_layout_independent(runs):
         assert not any(m.gate.qb_counts.any() for m in model.moe_layers())  # cleared each step
     assert biases["A"].abs().max() > 0  # QB has moved the biases
     # fp32: by step 4 the two layouts' different gradient summation order can move a margin
-    # across a histogram bin edge, which shifts that expert's interpolated quantile by a
-    # fraction of a bin (2e-3 wide); at most one such expert per layer. Histograms that were not
-    # summed over ranks would move nearly every bias. (The float64 EP and layout tests check
-    # the biases exactly.)
+    # across a histogram bin edge, which shifts that expert's interpolated quantile by up to
+    # one bin (the estimator's documented error: (hi - lo) / num_bins, about 2e-3; seen 1.9e-3
+    # with fused gradient accumulation); at most one such expert per layer. Histograms that
+    # were not summed over ranks would move nearly every bias. (The float64 EP and layout tests
+    # check the biases exactly.)
+    from model.balancing import margin_bounds
+
     diff = (biases["A"] - biases["C"]).abs()
-    assert diff.max() < 1e-3, diff.max()
+    for layer, bias in enumerate(biases["C"]):
+        lo, hi = margin_bounds(bias)
+        bin_width = (hi - lo) / model.config.qb_num_bins
+        assert diff[layer].max() < 1.05 * bin_width, (layer, diff[layer], bin_width)
     assert ((diff > 1e-5).sum(1) <= 1).all(), diff
 
 
