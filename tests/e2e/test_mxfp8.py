@@ -14,7 +14,11 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("mx")
     out = {"fp32": root / "fp32", "mx": root / "mx", "mx2": root / "mx2",
            "mx_tp_ep": root / "tp_ep"}
-    _, r = pretrain_concurrently((out["fp32"], ARGS), (out["mx"], [*ARGS, "precision=mxfp8"]))
+    # the one-rank MX run (2 micro-batches) sums them as FSDP2 does, not by fused accumulation
+    # (addmm into the buffer rounds differently), so 2 ranks x 1 micro-batch must equal it
+    _, r = pretrain_concurrently((out["fp32"], ARGS),
+                                 (out["mx"], [*ARGS, "precision=mxfp8",
+                                              "parallel.fuse_grad_accumulation=false"]))
     out["log"] = r.stdout
     mx = [*ARGS, "precision=mxfp8"]
     # FSDP 2; tp 2 on 2 ranks with the experts spread over the same two ranks (ep borrows tp
@@ -42,7 +46,9 @@ def test_mxfp8_ends_within_two_percent_of_fp32(runs):
 
 def test_mxfp8_under_fsdp_equals_one_rank(runs):
     """Same micro-batches on 2 FSDP ranks as on 1 rank: the MX blocks (also the wgrad blocks
-    along tokens) are the same, so the losses agree to fp32 reduction noise."""
+    along tokens) are the same, so the losses agree to fp32 reduction noise (here exactly:
+    one rank adds its two micro-batches' gradients in the order the reduce-scatter does; with
+    fused accumulation the rounding differs, 7e-6 by step 3 and 8e-5 by step 8 after AdamW)."""
     one, two = losses(runs["mx"]), losses(runs["mx2"])
     for s in range(1, 9):
         assert abs(two[s] - one[s]) <= 1e-5 * abs(one[s]), (s, two[s], one[s])

@@ -101,11 +101,15 @@ def test_quantile_balancing_is_layout_independent(runs):
         biases[name] = torch.stack([m.gate.e_score_correction_bias for m in model.moe_layers()])
         assert not any(m.gate.qb_counts.any() for m in model.moe_layers())  # cleared each step
     assert biases["A"].abs().max() > 0  # QB has moved the biases
-    # fp32: by step 4 the two layouts' different gradient summation order can move a margin
-    # across a histogram bin edge, which shifts that expert's interpolated quantile by up to
-    # one bin (the estimator's documented error: (hi - lo) / num_bins, about 2e-3; seen 1.9e-3
-    # with fused gradient accumulation); at most one such expert per layer. Histograms that
-    # were not summed over ranks would move nearly every bias. (The float64 EP and layout tests
+    # fp32: the layouts sum gradients in different orders, and AdamW turns that noise into
+    # lr-sized weight differences after step 1 (its update of a near-zero gradient is about
+    # +-lr either way), so by step 4 the routers' scores differ slightly: every interpolated
+    # quantile moves a little (seen: per-layer medians up to 2e-4), and a margin that crosses a
+    # histogram bin edge moves its expert's bias by up to one bin (the estimator's documented
+    # error, (hi - lo) / num_bins, about 2e-3; seen 1.9e-3). Histograms not summed over ranks
+    # or micro-batches estimate each quantile from a half or a quarter of the tokens, which
+    # moves nearly every bias (one update from half of 512 tokens, 8 experts, top-2: per-layer
+    # medians 3e-3 to 1e-2) and compounds over four updates. (The float64 EP and layout tests
     # check the biases exactly.)
     from model.balancing import margin_bounds
 
@@ -113,8 +117,8 @@ def test_quantile_balancing_is_layout_independent(runs):
     for layer, bias in enumerate(biases["C"]):
         lo, hi = margin_bounds(bias)
         bin_width = (hi - lo) / model.config.qb_num_bins
-        assert diff[layer].max() < 1.05 * bin_width, (layer, diff[layer], bin_width)
-    assert ((diff > 1e-5).sum(1) <= 1).all(), diff
+        assert diff[layer].median() < 1e-3, (layer, diff[layer])
+        assert diff[layer].max() < 2 * bin_width, (layer, diff[layer], bin_width)
 
 
 def test_host_syncs_per_step(runs):
