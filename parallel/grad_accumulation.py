@@ -16,7 +16,8 @@ FSDP2 has no public API for it: this uses `FSDPParam.unsharded_accumulated_grad`
 `_module_info` (the same in torch 2.11-2.14; `tests/distributed/test_grad_accumulation.py`
 proves the gradients equal the unfused run's on whatever torch the suite runs on). Off for a
 single micro-batch (nothing to accumulate), under pipeline parallelism (the schedule runs the
-micro-batches) and for DTensor (tensor-parallel) or expert-parallel weights.
+micro-batches) and for DTensor (tensor-parallel), expert-parallel or MXFP8 weights; a model
+with nothing fusable gets no buffers (`attach_main_grads` returns None).
 """
 
 from __future__ import annotations
