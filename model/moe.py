@@ -137,6 +137,12 @@ class RoutedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, intermediate, latent, device=device))
         self.w2 = nn.Parameter(torch.empty(num_experts, latent, intermediate, device=device))
 
+    @property
+    def fuses_wgrad(self) -> bool:
+        """Whether the expert GEMMs have a fused weight-gradient form (the grouped GEMM's
+        `main_grad=`; the MXFP8 grouped GEMM has none)."""
+        return self.gemm is grouped_mm
+
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
                 dispatcher, during=None) -> tuple[torch.Tensor, object]:
         """Latent tokens x [S, l] and their routing -> (the fp32 weighted expert sum [S, l],
@@ -161,7 +167,7 @@ class RoutedExperts(nn.Module):
         (expert parallelism: local experts plus replicas, see `model.dispatch`)."""
         w1, w3, w2 = weights if weights is not None else (self.w1, self.w3, self.w2)
         m1 = m3 = m2 = None
-        if self.main_grads is not None and self.gemm is grouped_mm and w1 is self.w1:
+        if self.main_grads is not None and self.fuses_wgrad and w1 is self.w1:
             m1, m3, m2 = self.main_grads  # own stacks: their gradients add into these
         h = situ_glu(self._gemm(x, w1, group_sizes, m1), self._gemm(x, w3, group_sizes, m3),
                      self.beta, self.linear_beta)  # [R, m]

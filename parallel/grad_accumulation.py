@@ -30,7 +30,6 @@ from torch.distributed.fsdp import FSDPModule
 
 from model.linear import Linear
 from model.moe import RoutedExperts
-from model.ops.grouped_gemm import grouped_mm
 
 _EXPERT_STACKS = ("w1", "w3", "w2")
 
@@ -75,7 +74,7 @@ def fusable(module: nn.Module, name: str, experts: bool = True) -> bool:
     if type(module) is Linear:
         return name == "weight" and module.bias is None
     return (experts and type(module) is RoutedExperts and name in _EXPERT_STACKS
-            and module.gemm is grouped_mm)  # not the MXFP8 grouped GEMM
+            and module.fuses_wgrad)
 
 
 def _point(found: list[tuple[nn.Module, str, torch.Tensor]]) -> None:

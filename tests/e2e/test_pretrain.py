@@ -92,6 +92,7 @@ def test_quantile_balancing_is_layout_independent(runs):
     §3: histograms summed over micro-batches and ranks, one update per step)."""
     import torch
 
+    from model.balancing import margin_bounds
     from train.export_hf import load_model
 
     biases = {}
@@ -111,8 +112,6 @@ def test_quantile_balancing_is_layout_independent(runs):
     # moves nearly every bias (one update from half of 512 tokens, 8 experts, top-2: per-layer
     # medians 3e-3 to 1e-2) and compounds over four updates. (The float64 EP and layout tests
     # check the biases exactly.)
-    from model.balancing import margin_bounds
-
     diff = (biases["A"] - biases["C"]).abs()
     for layer, bias in enumerate(biases["C"]):
         lo, hi = margin_bounds(bias)
