@@ -2,7 +2,7 @@
 own fp32 GEMM rate; prints one JSON line.
 
     python benchmarks/train_step_cpu.py [--threads N] [--steps 3] [--modes eager[,compiled]]
-        [--mtp]
+        [--mtp] [--components]
 
 What: the `cpu_bench` preset (configs/model/cpu_bench.yaml: hidden 512, KDA + gated MLA,
 AttnRes, latent MoE with shared experts; every component) trains in fp32 on packed documents
@@ -15,6 +15,10 @@ reports) / step time / that GEMM rate. `compiled` wraps every decoder layer in
 `torch.compile` (inductor, as `parallel.compile=true` does; the first step compiles, which took
 over 15 minutes on 2 busy cores, so it is opt-in).
 Threads default to all cores (`os.cpu_count()`).
+`--components` adds where an eager step's time goes: forward+backward of one KDA attention
+(and of its chunked KDA op alone: forward, and forward+backward), one gated MLA, one latent MoE
+and the dense SiTU-GLU MLP on the step's hidden states (random, packed documents), each with
+its FLOPs (`torch.utils.flop_counter`, the op's own count) and achieved FLOP/s.
 """
 
 from __future__ import annotations
@@ -94,6 +98,76 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
             "model_flops": flops, "achieved_flops": flops / best}
 
 
+def _time(fn, repeats: int = 3) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def components(args: argparse.Namespace) -> dict:
+    """Forward+backward seconds, FLOPs and FLOP/s of each kind of sub-layer (see docstring)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    cfg = load_model_config("cpu_bench")
+    model = build_model(cfg, seed=0)
+    model.train()
+    layers = model.decoder_layers()
+    kda_layer = next(la for la in layers if type(la.self_attn).__name__ == "KimiDeltaAttention"
+                     and hasattr(la, "block_sparse_moe"))
+    mla_layer = next(la for la in layers if type(la.self_attn).__name__ == "GatedMLA")
+    dense = next(la for la in layers if hasattr(la, "mlp"))
+    B, T = args.batch, args.seq
+    lengths = doc_lengths(T, args.docs) * B
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    packing = Packing.from_host(cu, B, T, torch.device("cpu"))
+    x = torch.randn(B, T, cfg.hidden_size, generator=torch.Generator().manual_seed(0),
+                    requires_grad=True)
+
+    att = kda_layer.self_attn
+    seen = {}
+    op = att.kda_op
+
+    def capture(*a):  # the op's own inputs, as the layer computes them
+        seen["args"] = a
+        return op(*a)
+
+    att.kda_op = capture
+    att(x, packing)
+    att.kda_op = op
+    q, k, v, f, b, pk, gate, chunk = seen["args"]
+    op_in = [t.detach().clone().requires_grad_() for t in (q, k, v, f, b)]
+
+    def kda_op_fwd() -> None:
+        with torch.no_grad():
+            op(*op_in, pk, gate, chunk)
+
+    def fwd_bwd(fn):
+        def go() -> None:
+            fn().float().sum().backward()
+        return go
+
+    cases = {
+        "kda_attention": fwd_bwd(lambda: att(x, packing)),
+        "kda_op": fwd_bwd(lambda: op(*op_in, pk, gate, chunk)),
+        "kda_op_forward": kda_op_fwd,
+        "mla_attention": fwd_bwd(lambda: mla_layer.self_attn(x, packing)),
+        "latent_moe": fwd_bwd(lambda: kda_layer.block_sparse_moe(x)),
+        "dense_mlp": fwd_bwd(lambda: dense.mlp(x)),
+    }
+    out = {}
+    for name, fn in cases.items():
+        with FlopCounterMode(display=False) as fc:
+            fn()
+        s, flops = _time(fn), fc.get_total_flops()
+        out[name] = {"ms": round(s * 1e3, 1), "gflop": round(flops / 1e9, 2),
+                     "gflop_per_s": round(flops / s / 1e9, 1)}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=os.cpu_count())
@@ -103,6 +177,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--modes", default="eager", help="eager and/or compiled, comma-separated")
     ap.add_argument("--mtp", action="store_true", help="with the MTP module (its FLOPs counted)")
+    ap.add_argument("--components", action="store_true",
+                    help="also time each kind of sub-layer, forward+backward")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cfg = load_model_config("cpu_bench")
@@ -123,6 +199,8 @@ def main() -> None:
             continue
         r["mfu_vs_measured_gemm"] = r["achieved_flops"] / rate
         out[mode] = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}
+    if args.components:
+        out["components"] = components(args)
     print(json.dumps(out))
 
 
