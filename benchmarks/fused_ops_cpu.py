@@ -23,20 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from benchmarks.timing import best_seconds  # noqa: E402
 from model.ops.attnres import attnres_mix, attnres_mix_reference  # noqa: E402
 from model.ops.rms_norm import rms_norm, rms_norm_reference  # noqa: E402
 from model.ops.short_conv import short_conv_silu, short_conv_silu_reference  # noqa: E402
 from model.ops.situ import situ_glu, situ_glu_reference  # noqa: E402
-
-
-def best_cpu_s(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.process_time()
-        fn()
-        best = min(best, time.process_time() - t0)
-    return best
 
 
 def fwd_bwd(f, leaves: list[torch.Tensor], grad: torch.Tensor):
@@ -84,7 +75,7 @@ def main() -> None:
     out: dict = {"bench": "fused_ops_cpu", "threads": args.threads, "tokens": B * T,
                  "hidden": d, "unit": "cpu_s fwd+bwd"}
     for name, (op, ref) in cases.items():
-        t_op, t_ref = best_cpu_s(op, args.repeats), best_cpu_s(ref, args.repeats)
+        t_op, t_ref = (best_seconds(f, args.repeats, time.process_time) for f in (op, ref))
         out[name] = {"op_s": round(t_op, 5), "reference_s": round(t_ref, 5),
                      "speedup": round(t_ref / t_op, 2)}
     print(json.dumps(out))

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -34,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from benchmarks.timing import best_seconds  # noqa: E402
 from model.build import build_model  # noqa: E402
 from model.config import load_model_config  # noqa: E402
 from model.packing import Packing  # noqa: E402
@@ -63,6 +65,13 @@ def doc_lengths(seq: int, docs: int) -> list[int]:
     return lengths
 
 
+def packed_rows(args: argparse.Namespace) -> tuple[list[int], Packing]:
+    """Document lengths and packing of `--batch` rows of `--seq` tokens, `--docs` per row."""
+    lengths = doc_lengths(args.seq, args.docs) * args.batch
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return lengths, Packing.from_host(cu, args.batch, args.seq, torch.device("cpu"))
+
+
 def run_mode(mode: str, args: argparse.Namespace) -> dict:
     cfg = load_model_config("cpu_bench", num_nextn_predict_layers=int(args.mtp))
     model = build_model(cfg, seed=0)
@@ -74,9 +83,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
     B, T = args.batch, args.seq
     ids = torch.randint(0, 256, (B, T), generator=g)
     labels = torch.roll(ids, -1, 1)
-    lengths = doc_lengths(T, args.docs) * B
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    packing = Packing.from_host(cu, B, T, torch.device("cpu"))
+    lengths, packing = packed_rows(args)
 
     def step() -> None:
         s, n = model(ids, packing, labels=labels)
@@ -87,25 +94,17 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     step()  # warm-up (compiles in `compiled`)
     first = time.perf_counter() - t0
-    times = []
+    times, faults = [], []
     for _ in range(args.steps):
-        t0 = time.perf_counter()
+        f0, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
     best = min(times)
     flops = step_flops(cfg, lengths)
     return {"step_s": best, "first_step_s": first, "tokens_per_sec": B * T / best,
+            "minor_page_faults_per_step": min(faults),
             "model_flops": flops, "achieved_flops": flops / best}
-
-
-def _time(fn, repeats: int = 3) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def components(args: argparse.Namespace) -> dict:
@@ -121,9 +120,7 @@ def components(args: argparse.Namespace) -> dict:
     mla_layer = next(la for la in layers if type(la.self_attn).__name__ == "GatedMLA")
     dense = next(la for la in layers if hasattr(la, "mlp"))
     B, T = args.batch, args.seq
-    lengths = doc_lengths(T, args.docs) * B
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    packing = Packing.from_host(cu, B, T, torch.device("cpu"))
+    lengths, packing = packed_rows(args)
     x = torch.randn(B, T, cfg.hidden_size, generator=torch.Generator().manual_seed(0),
                     requires_grad=True)
 
@@ -162,7 +159,7 @@ def components(args: argparse.Namespace) -> dict:
     for name, fn in cases.items():
         with FlopCounterMode(display=False) as fc:
             fn()
-        s, flops = _time(fn), fc.get_total_flops()
+        s, flops = best_seconds(fn, 3), fc.get_total_flops()
         out[name] = {"ms": round(s * 1e3, 1), "gflop": round(flops / 1e9, 2),
                      "gflop_per_s": round(flops / s / 1e9, 1)}
     return out
