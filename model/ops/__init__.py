@@ -5,7 +5,8 @@ backends (library kernels, and our Triton kernels in `*_triton.py` for the AttnR
 SiTU-GLU, the short conv, the row norms and the MoE combine) are `torch.library` custom ops
 (`torch.ops.k3.*`) with fake implementations, registered on every machine, so fake-tensor
 traces and torch.compile see one node each; `model.ops.backends.force_cuda_backends()` selects
-them on any device.
+them on any device. The KDA reference's chunk math is one too (`k3::kda_chunk`, with a
+hand-written backward: `model.ops.kda_chunk`), so compiled CPU layers do not unroll its loops.
 
 Host synchronisation: the GPU path syncs nowhere. `HOST_SYNC_OPS` lists the places that may
 still read tensor data on the host, each because its CUDA path is a library kernel that needs

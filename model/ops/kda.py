@@ -13,8 +13,10 @@ What it is for (design doc §1.1, §1.5-1.7):
 * ``chunk_kda`` without ``gate``: the same dispatch for activated inputs (fla's plain
   semantics).
 * ``chunk_kda_reference``: the chunkwise WY/UT-transform algorithm in pure PyTorch (float32, or
-  float64 for float64 inputs), differentiable by autograd, with Python loops over chunks and
-  the log2(chunk) levels of its intra-chunk blocks only (static counts, never over tokens).
+  float64 for float64 inputs): the layout to chunks here, the chunk math in
+  ``model.ops.kda_chunk.chunk_core`` (the custom op ``k3::kda_chunk`` with a hand-written
+  backward), with Python loops over chunks and the log2(chunk) levels of its intra-chunk
+  blocks only (static counts, never over tokens).
 * ``recurrent_kda``: the token-by-token recurrence; the test oracle and a simple decode path.
 
 Semantics (per head, state layout [K, V]): S' = Diag(exp(g_t)) S; u = beta_t (v_t - S'^T k_t);
@@ -32,12 +34,12 @@ every document starts a fresh chunk, the chunks of all documents follow one anot
 of a static number of chunks, floor((T + min(N, T) (C - 1)) / C) >= sum_i ceil(len_i / C), and
 the inter-chunk state is reset (multiplied by 0, plus the document's initial state) at chunks
 where a document starts. The intra-chunk scores are exact for any decay strength (see
-``_intra_scores``), with no data-dependent choice of formula.
+``model.ops.kda_chunk.intra_scores``), with no data-dependent choice of formula.
 
 What it deliberately does NOT do: GVA (H_v != H), the V-first state layout, fla's
 ``allow_neg_eigval``, context parallelism (``model.ops.kda_context`` builds it on this op), or
-a hand-written backward. The reference (and
-``kda_prologue``) is not a fast kernel.
+double backward through the reference. The reference (and ``kda_prologue``) is not a fast
+kernel.
 """
 
 from __future__ import annotations
@@ -45,7 +47,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import math
 import os
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
@@ -54,6 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from model.ops.backends import compile_constant, cuda_backends_forced
+from model.ops.kda_chunk import chunk_core
 from model.ops.rms_norm import l2_norm
 
 Tensor = torch.Tensor
@@ -508,129 +510,6 @@ def recurrent_kda(
 
 
 # ------------------------------------------------------------------------ chunked (UT transform)
-_INTRA_BUDGET = 1 << 20  # elements per [.., C, K] temporary of one chunk group (4 MiB fp32)
-_SMALL_BLOCK = 1  # half-block sizes up to this use a broadcast product, larger ones matmul
-
-
-def _intra_group(q: Tensor, k: Tensor, G: Tensor) -> Tensor:
-    """Scores of one group of chunks, inputs [B, H, n, Cp, K] (Cp a power of two).
-
-    Returns [B, H, 2, n, Cp(r), Cp(i)]: (<k_r, exp(G_r - G_i) k_i>, <q_r, exp(G_r - G_i) k_i>)
-    for i <= r, 0 above the diagonal. Dyadic blocks, built bottom-up: a block of 2h tokens is
-    [[first half, 0], [cross, second half]], where cross (rows r in the second half, columns i
-    in the first) factors exp(G_r - G_i) = exp(G_r - G_s) exp(G_s - G_i) around G_s, the
-    cumulative decay at the first half's last token. G never increases (g <= 0), so both
-    factors are <= 1 for any decay: no overflow, no data-dependent choice, and every pair
-    i < r is covered exactly once (i == r needs no decay)."""
-    B, H, n, Cp, K = q.shape
-    # Clamp exponents at log(tiny)/3: no slow x86 subnormals in a factor or a product of two
-    # (absolute error < 3e-13 in fp32, 1e-102 in fp64; clamp passes no gradient there).
-    floor = math.log(torch.finfo(G.dtype).tiny) / 3.0
-    X = torch.stack([k, q], dim=-2)  # [B, H, n, Cp, 2, K]: k and q rows side by side
-    M = (X * k.unsqueeze(-2)).sum(-1)[..., None, :, None]  # [B, H, n, Cp, 1, 2, 1]: i == r
-    h = 1
-    while h < Cp:
-        nb = Cp // (2 * h)
-        Gv = G.unflatten(-2, (nb, 2, h))  # [B, H, n, nb, 2, h, K]
-        G_s = Gv[..., 0, h - 1 :, :]  # [B, H, n, nb, 1, K]
-        k_col = k.unflatten(-2, (nb, 2, h))[..., 0, :, :] * (
-            G_s - Gv[..., 0, :, :]).clamp(min=floor).exp()  # [B, H, n, nb, h(i), K]
-        x_row = X.unflatten(-3, (nb, 2, h))[..., 1, :, :, :] * (
-            Gv[..., 1, :, :] - G_s).clamp(min=floor).exp().unsqueeze(-2)  # [.., nb, h, 2, K]
-        if h <= _SMALL_BLOCK:  # tiny matrices: a broadcast product beats batched matmul
-            cross = (x_row.unsqueeze(-2) * k_col[..., None, None, :, :]).sum(-1)
-        else:
-            cross = (x_row.flatten(-3, -2) @ k_col.transpose(-1, -2)).unflatten(-2, (h, 2))
-        # cross: [B, H, n, nb, h(r), 2, h(i)]
-        pairs = M.unflatten(3, (nb, 2))  # [B, H, n, nb, 2, h, 2, h]
-        first, second = pairs[:, :, :, :, 0], pairs[:, :, :, :, 1]
-        top = torch.cat([first, torch.zeros_like(first)], dim=-1)
-        M = torch.cat([top, torch.cat([cross, second], dim=-1)], dim=-3)  # [.., nb, 2h, 2, 2h]
-        h *= 2
-    return M.squeeze(3).movedim(-2, 2)  # [B, H, 2, n, Cp, Cp]
-
-
-def _intra_scores(q: Tensor, k: Tensor, G: Tensor) -> tuple[Tensor, Tensor]:
-    """(S_kk, S_qk) [B, H, NC, C(r), C(i)]: <x_r, exp(G_r - G_i) k_i> (x = k, q) for i <= r, else 0.
-
-    Inputs [B, H, NC, C, K]; G is the in-chunk cumulative log-decay. Exact for any decay
-    strength with one formula (`_intra_group`: dyadic blocks, every decay factor <= 1). C is
-    padded to a power of two with no-op tokens (zero scores, sliced off). Chunks go in groups
-    whose temporaries stay within _INTRA_BUDGET elements (fresh large CPU allocations cost
-    more in page faults than the arithmetic)."""
-    B, H, NC, C, K = q.shape
-    Cp = 1 << (C - 1).bit_length()
-    if Cp != C:  # padding tokens: q = k = 0 and no decay (G stays at the chunk's last value)
-        q, k = (F.pad(x, (0, 0, 0, Cp - C)) for x in (q, k))
-        G = torch.cat([G, G[..., -1:, :].expand(*G.shape[:-2], Cp - C, K)], dim=-2)
-    step = max(1, _INTRA_BUDGET // (B * H * Cp * max(K, Cp)))  # chunks per group
-    parts = [_intra_group(q[:, :, s : s + step], k[:, :, s : s + step], G[:, :, s : s + step])
-             for s in range(0, NC, step)]
-    A = torch.cat(parts, dim=3) if len(parts) > 1 else parts[0]  # [B, H, 2, NC, Cp, Cp]
-    if Cp != C:
-        A = A[..., :C, :C]
-    return A[:, :, 0], A[:, :, 1]
-
-
-def _chunk_fwd(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, s0: Tensor | None, scale: float,
-    start: Tensor | None = None, chunk_doc: Tensor | None = None, keep_ends: bool = False,
-) -> tuple[Tensor, Tensor | None, Tensor]:
-    """Chunked KDA on the chunk layout: q, k, g [B, H, NC, C, K], v [B, H, NC, C, V],
-    beta [B, H, NC, C, 1]; padding tokens are all zeros (exact no-ops).
-
-    Dense (start None): row b starts from s0[b]. Document-aligned (start [NC], 1.0 at a chunk
-    where a document begins, chunk_doc [NC] its document, B == 1): the state entering such a
-    chunk is s0[chunk_doc] (zeros without s0). Returns (o [B, H, NC, C, V], ends: with
-    keep_ends, the states before each chunk's reset and after the last chunk [NC+1, H, K, V],
-    else None; S the state after the last chunk [B, H, K, V])."""
-    B, H, NC, C, K = q.shape
-    V = v.shape[-1]
-    G = g.cumsum(dim=-2)  # [B, H, NC, C, K] in-chunk cumulative log-decay
-
-    S_kk, A_qk = _intra_scores(q, k, G)  # [B, H, NC, C, C] lower triangles
-    A_kk = beta * S_kk.tril(-1)  # strictly lower, row r scaled by beta_r
-
-    # UT transform: (I + A_kk) [W | U] = [beta exp(G) K | beta V], one unit-lower-triangular solve.
-    eye = torch.eye(C, dtype=q.dtype, device=q.device)
-    rhs = torch.cat([beta * G.exp() * k, beta * v], dim=-1)  # [B, H, NC, C, K + V]
-    WU = torch.linalg.solve_triangular(eye + A_kk, rhs, upper=False, unitriangular=True)
-    W, U = WU.split([K, V], dim=-1)  # [B, H, NC, C, K], [B, H, NC, C, V]
-
-    G_last = G[..., -1:, :]  # [B, H, NC, 1, K]
-    k_to_end = k * (G_last - G).exp()  # [B, H, NC, C, K] = K * exp(G_C - G)
-    a_end = G_last.squeeze(-2).exp().unsqueeze(-1)  # [B, H, NC, K, 1] = exp(G_C)
-
-    # Inter-chunk recurrence: a Python loop over the (static) chunk count. Per-chunk operands
-    # come from one unbind each (a select per chunk would cost a full-size zero fill per chunk
-    # in backward: quadratic in the chunk count).
-    U_n, W_n, a_n = U.unbind(2), W.unbind(2), a_end.unbind(2)
-    kt_n = k_to_end.transpose(-1, -2).unbind(2)  # [B, H, K, C] each
-    if start is None:
-        S = q.new_zeros(B, H, K, V) if s0 is None else s0  # [B, H, K, V]
-    else:
-        S = q.new_zeros(1, H, K, V)
-        keep_n = (1.0 - start).unbind(0)
-        if s0 is not None:  # the state entering a document's first chunk: its initial state
-            init_n = (s0.index_select(0, chunk_doc) * start.view(-1, 1, 1, 1)).unbind(0)
-    ends, states, v_news = [], [], []
-    for n in range(NC):
-        if start is not None:
-            if keep_ends:
-                ends.append(S[0])
-            S = S * keep_n[n]  # reset where a document starts
-            if s0 is not None:
-                S = S + init_n[n]
-        v_new = U_n[n] - W_n[n] @ S  # [B, H, C, V] pseudo-values
-        states.append(S)
-        v_news.append(v_new)
-        S = a_n[n] * S + kt_n[n] @ v_new
-    S_in = torch.stack(states, dim=2)  # [B, H, NC, K, V] state entering each chunk
-    V_new = torch.stack(v_news, dim=2)  # [B, H, NC, C, V]
-    o = scale * ((q * G.exp()) @ S_in + A_qk @ V_new)  # [B, H, NC, C, V]
-    return o, (torch.stack([*ends, S[0]]) if keep_ends else None), S
-
-
 def _dense_chunks(x: Tensor, C: int) -> Tensor:
     """[B, T, H, D] -> [B, H, NT, C, D], T zero-padded to NT * C (NT >= 1)."""
     B, T, H, D = x.shape
@@ -676,7 +555,7 @@ def _chunk_varlen(
 
     q, k, v, g = (to_chunks(x) for x in xs[:4])
     beta = to_chunks(xs[4].unsqueeze(-1))
-    o, ends, _ = _chunk_fwd(q, k, v, g, beta, s0, scale, start.to(q.dtype), chunk_doc,
+    o, ends, _ = chunk_core(q, k, v, g, beta, s0, scale, start.to(q.dtype), chunk_doc,
                             keep_ends=output_final_state)
     o = o.permute(0, 2, 3, 1, 4).reshape(NC * C, H, -1).index_select(0, slot)  # [T, H, V]
     S = None
@@ -712,6 +591,6 @@ def chunk_kda_reference(
     B, T, H, _ = q.shape
     qc, kc, vc, gc = (_dense_chunks(x, chunk_size) for x in xs[:4])
     bc = _dense_chunks(xs[4].unsqueeze(-1), chunk_size)
-    o, _, S = _chunk_fwd(qc, kc, vc, gc, bc, s0, scale)
+    o, _, S = chunk_core(qc, kc, vc, gc, bc, s0, scale)
     o = o.permute(0, 2, 3, 1, 4).reshape(B, -1, H, o.shape[-1])[:, :T]  # [B, T, H, V]
     return o.to(v.dtype), (S if output_final_state else None)

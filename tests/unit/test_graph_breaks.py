@@ -8,7 +8,8 @@ mode, fp32, several packed documents per row, a fresh `Packing` as each micro-ba
 - with every backend forced to its CUDA choice (`force_cuda_backends()`), traced under
   `FakeTensorMode` (explain runs the graph, here on fake tensors: the `k3::` custom ops' fake
   implementations stand in for fla and varlen attention).
-The fast ops are single `torch.ops.k3.*` nodes. Compiled (`fullgraph=True`, aot_eager) equals
+The fast ops, and the KDA reference's chunk math (`k3::kda_chunk`), are single
+`torch.ops.k3.*` nodes. Compiled (`fullgraph=True`, aot_eager) equals
 eager for each layer type, Quantile-Balancing counts included, also when the compiled layer is
 checkpointed (recomputation must not count twice). `apply_compile` gives every layer its graph
 even when there are more distinct layers than dynamo's default recompile limit. The MTP
@@ -94,8 +95,11 @@ def test_layer_is_one_graph_cpu_backends(setup, name):
     _assert_one_graph(explained, name)
     ops = _k3_ops(explained.graphs)
     # each AttnRes mix (layer 0 has only the MLP-side one) is one node; SiTU-GLU is the
-    # reference's elementwise chain on CPU (inductor fuses it), our kernel on CUDA
+    # reference's elementwise chain on CPU (inductor fuses it), our kernel on CUDA; the KDA
+    # reference's chunk math is one node (its loops are not unrolled into the graph)
     glue = {"k3.attnres_mix.default": 1 if LAYERS[name] == 0 else 2}
+    if name.startswith("kda"):
+        glue["k3.kda_chunk.default"] = 1
     if name.endswith("moe"):  # three expert GEMMs, the router statistics: one node each
         glue.update({"k3.grouped_mm.default": 3, "k3.record_router_stats.default": 1})
     assert ops == glue, ops

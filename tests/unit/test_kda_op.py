@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import model.ops.kda as kda_mod
+import model.ops.kda_chunk as kda_chunk
 from model.ops.backends import force_cuda_backends
 from model.ops.kda import chunk_kda, chunk_kda_reference, kda_backend, recurrent_kda
 from model.packing import check_cu_seqlens
@@ -250,18 +251,84 @@ def test_intra_scores_exact_for_strong_decays(C: int) -> None:
     G = g.cumsum(-2)  # [1, H, 2, C, K]
     span = (G[..., 0, :] - G[..., -1, :]).max()  # exp(span / 2) overflows fp32 / fp64
     assert C < 16 or span > (2 * 709 if C == 64 else 2 * 88)
-    S_kk, S_qk = kda_mod._intra_scores(q, k, G)
+    S_kk, S_qk = kda_chunk.intra_scores(q, k, G)
     causal = torch.ones(C, C, dtype=torch.bool).tril()
     diff = G.unsqueeze(-2) - G.unsqueeze(-3)  # [.., C(r), C(i), K]
     decay = torch.where(causal.unsqueeze(-1), diff, -torch.inf).exp()
     g32 = g.float().requires_grad_()  # fp32: no overflow either, padding tokens included
-    S32 = kda_mod._intra_scores(q.float(), k.float(), g32.cumsum(-2))
+    S32 = kda_chunk.intra_scores(q.float(), k.float(), g32.cumsum(-2))
     (S32[0].sum() + S32[1].sum() + 0 * g32.sum()).backward()
     assert torch.isfinite(g32.grad).all()
     for x, got, got32 in ((k, S_kk, S32[0]), (q, S_qk, S32[1])):
         want = torch.einsum("bhnrk,bhnrik,bhnik->bhnri", x, decay, k)
         assert got.shape == want.shape and max_err(got, want) <= 1e-12
         assert max_err(got32, want) <= 1e-4
+
+
+@pytest.mark.parametrize("C", [3, 16, 64])
+def test_intra_scores_backward_matches_direct_formula(C: int) -> None:
+    """The hand-written backward of the dyadic scores vs autograd of the direct masked formula
+    (float64, strong decays); entries above the diagonal of the incoming gradients are ignored."""
+    inp = make_inputs(B=1, T=2 * C, H=2, K=8, gate="strong", seed=8)
+    q, k, g = (inp[n].reshape(1, 2, C, 2, 8).permute(0, 3, 1, 2, 4) for n in ("q", "k", "g"))
+    G = g.cumsum(-2)
+    gen = torch.Generator().manual_seed(9)
+    w_kk, w_qk = (torch.randn(1, 2, 2, C, C, generator=gen, dtype=F64) for _ in range(2))
+    leaves = [x.clone().requires_grad_() for x in (q, k, G)]
+    ql, kl, Gl = leaves
+    causal = torch.ones(C, C, dtype=torch.bool).tril()
+    diff = Gl.unsqueeze(-2) - Gl.unsqueeze(-3)  # [.., C(r), C(i), K]
+    decay = torch.where(causal.unsqueeze(-1), diff, -torch.inf).exp()
+    s_kk = torch.einsum("bhnrk,bhnrik,bhnik->bhnri", kl, decay, kl)
+    s_qk = torch.einsum("bhnrk,bhnrik,bhnik->bhnri", ql, decay, kl)
+    ((s_kk * w_kk.tril()).sum() + (s_qk * w_qk.tril()).sum()).backward()
+    got = kda_chunk.intra_scores_bwd(q, k, G, w_kk, w_qk)
+    for name, mine, want in zip("qkG", got, (x.grad for x in leaves)):
+        assert want.abs().max() > 1e-3, name
+        assert max_err(mine, want) <= 1e-10, name
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_kda_chunk_custom_op_contract(packed: bool) -> None:
+    """torch.library.opcheck: schema, fake implementation, autograd registration, AOT dispatch."""
+    gen = torch.Generator().manual_seed(1)
+    B, H, NC, C, K, V = (1 if packed else 2), 2, 3, 4, 4, 3
+    q, k = (F.normalize(torch.randn(B, H, NC, C, K, generator=gen, dtype=F64), dim=-1)
+            for _ in range(2))
+    v = torch.randn(B, H, NC, C, V, generator=gen, dtype=F64)
+    g = -torch.rand(B, H, NC, C, K, generator=gen, dtype=F64)
+    beta = torch.rand(B, H, NC, C, 1, generator=gen, dtype=F64)
+    s0 = torch.randn(2 if packed else B, H, K, V, generator=gen, dtype=F64)
+    start = torch.tensor([1.0, 0.0, 1.0], dtype=F64) if packed else None
+    chunk_doc = torch.tensor([0, 0, 1]) if packed else None
+    args = [x.requires_grad_() for x in (q, k, v, g, beta, s0)]
+    torch.library.opcheck(torch.ops.k3.kda_chunk.default,
+                          (*args, start, chunk_doc, 0.5, packed))
+    outs = torch.ops.k3.kda_chunk(*(x.detach() for x in args), start, chunk_doc, 0.5, packed)
+    d_ends = torch.randn_like(outs[1]) if packed else None
+    torch.library.opcheck(torch.ops.k3.kda_chunk_bwd.default,
+                          (torch.randn_like(outs[0]), d_ends, torch.randn_like(outs[2]),
+                           *(x.detach() for x in args), start, chunk_doc, *outs[3:], 0.5, packed))
+
+
+def test_kda_chunk_flops_match_the_trainers_count() -> None:
+    """FlopCounterMode sees the custom op's formula: forward = train.flops' KDA forward count
+    (T a multiple of the chunk), backward 12KV + 7C(K+V) per token and head."""
+    from types import SimpleNamespace
+
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from train.flops import kda_flops_per_token
+
+    T, H, D, C = 64, 2, 8, 16
+    inp = {n: x.float().requires_grad_() for n, x in make_inputs(B=1, T=T, H=H, K=D, V=D).items()}
+    with FlopCounterMode(display=False) as fc:
+        o, s = run(chunk_kda_reference, inp, chunk_size=C)
+    cfg = SimpleNamespace(kda_head_dim=D, kda_chunk_size=C, kda_num_heads=H)
+    assert fc.get_total_flops() == T * kda_flops_per_token(cfg, T) / 3
+    with FlopCounterMode(display=False) as fc:
+        (o.sum() + s.sum()).backward()
+    assert fc.get_total_flops() == T * H * (12 * D * D + 7 * C * 2 * D)
 
 
 # --------------------------------------------------------- varlen: document-aligned chunk layout

@@ -1,0 +1,405 @@
+"""The chunked KDA reference's core on the chunk layout, with a hand-written backward.
+
+``chunk_core`` is what ``model.ops.kda.chunk_kda_reference`` runs once its inputs are in the
+[B, H, NC, C, D] chunk layout: the intra-chunk scores (``intra_scores``: dyadic blocks, exact
+for any decay), the UT transform (one unit-lower-triangular solve), the inter-chunk recurrence
+(a Python loop over the static chunk count) and the output. It is the custom op
+``k3::kda_chunk`` (forward) / ``k3::kda_chunk_bwd`` (backward): one opaque node in fake-tensor
+traces and torch.compile graphs (so compile does not unroll its loops), and a backward written
+out by hand, not taped by autograd: autograd's backward of the ~1000 small ops spent most of its
+time in zero fills, slice copies and the mirror image of every product (on a CPU, memory
+passes are the cost). The forward returns its residuals (the UT solution, the states entering
+each chunk, the pseudo-values and the two score matrices) as extra outputs, so the backward
+recomputes only cheap elementwise factors.
+
+Backward, per chunk (o = scale (Q e^G S_in + A_qk V'), V' = U - W S_in,
+S_out = e^{G_C} S_in + (K e^{G_C - G})^T V', [W | U] = (I + A_kk)^{-1} [beta e^G K | beta V]):
+the recurrence runs in reverse for dS (two products per chunk); everything else is batched
+over chunks: the score, pseudo-value and state products, one transposed triangular solve for
+the UT transform, and ``intra_scores_bwd``, which walks the same dyadic blocks as the forward.
+Exponents are clamped like the forward's (``decay``); where a factor is clamped, the backward
+uses the clamped value (a difference below 3e-13 in fp32, 1e-102 in fp64). No double backward.
+Validated by the oracle tests of ``tests/unit/test_kda_op.py`` (token recurrence, float64).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import register_flop_formula
+
+Tensor = torch.Tensor
+
+INTRA_BUDGET = 1 << 20  # elements per [.., C, K] temporary of one chunk group (4 MiB fp32)
+_SMALL_BLOCK = 1  # half-block sizes up to this use a broadcast product, larger ones matmul
+
+
+def decay(x: Tensor) -> Tensor:
+    """exp(x) for a log-decay x <= 0, with x clamped at log(tiny)/3 of its dtype: no x86
+    subnormals in the factor or in a product of two (a subnormal-producing exp, and every op
+    reading its output, runs ~15x slower on CPU). Absolute error < 3e-13 in fp32 (1e-102 in
+    fp64); the clamp passes no gradient below the floor, where the true one is as small."""
+    return x.clamp(min=math.log(torch.finfo(x.dtype).tiny) / 3.0).exp()
+
+
+# ------------------------------------------------------------------ intra-chunk scores
+def _halves(G: Tensor, h: int) -> tuple[Tensor, Tensor]:
+    """Decay factors of the dyadic level with half-blocks of h tokens, G [.., Cp, K]:
+    (e_col [.., nb, h, K] = exp(G_s - G_i) over first halves, e_row = exp(G_r - G_s) over second
+    halves), G_s the cumulative decay at each first half's last token."""
+    nb = G.shape[-2] // (2 * h)
+    Gv = G.unflatten(-2, (nb, 2, h))  # [.., nb, 2, h, K]
+    G_s = Gv[..., 0, h - 1 :, :]  # [.., nb, 1, K]
+    return decay(G_s - Gv[..., 0, :, :]), decay(Gv[..., 1, :, :] - G_s)
+
+
+def _intra_group(q: Tensor, k: Tensor, G: Tensor) -> Tensor:
+    """Scores of one group of chunks, inputs [B, H, n, Cp, K] (Cp a power of two).
+
+    Returns M [B, H, n, Cp(r), 2, Cp(i)]: (<k_r, exp(G_r - G_i) k_i>, <q_r, exp(G_r - G_i) k_i>)
+    for i <= r, 0 above the diagonal. Dyadic blocks: a block of 2h tokens is [[first half, 0],
+    [cross, second half]], where cross (rows r in the second half, columns i in the first)
+    factors exp(G_r - G_i) = exp(G_r - G_s) exp(G_s - G_i) around G_s, the cumulative decay at
+    the first half's last token. G never increases (g <= 0), so both factors are <= 1 for any
+    decay: no overflow, no data-dependent choice, and every pair i < r is covered exactly once
+    (i == r needs no decay). Each level's cross blocks are written into their place in M."""
+    B, H, n, Cp, K = q.shape
+    X = torch.stack([k, q], dim=-2)  # [B, H, n, Cp, 2, K]: k and q rows side by side
+    M = X.new_zeros(B, H, n, Cp, 2, Cp)
+    torch.diagonal(M, dim1=-3, dim2=-1).copy_((X * k.unsqueeze(-2)).sum(-1).transpose(-1, -2))
+    h = 1
+    while h < Cp:
+        nb = Cp // (2 * h)
+        e_col, e_row = _halves(G, h)
+        k_col = k.unflatten(-2, (nb, 2, h))[..., 0, :, :] * e_col  # [.., nb, h(i), K]
+        x_row = X.unflatten(-3, (nb, 2, h))[..., 1, :, :, :] * e_row.unsqueeze(-2)  # [.., h, 2, K]
+        if h <= _SMALL_BLOCK:  # tiny matrices: a broadcast product beats batched matmul
+            cross = (x_row.unsqueeze(-2) * k_col[..., None, None, :, :]).sum(-1)
+        else:
+            cross = (x_row.flatten(-3, -2) @ k_col.transpose(-1, -2)).unflatten(-2, (h, 2))
+        _cross_view(M, h).copy_(cross)  # cross: [.., nb, h(r), 2, h(i)]
+        h *= 2
+    return M
+
+
+def _cross_view(M: Tensor, h: int) -> Tensor:
+    """The level-h cross blocks of M [.., n, Cp(r), 2, Cp(i)] as a view [.., n, nb, h(r), 2, h(i)]:
+    rows in the second half of each 2h block, columns in its first half."""
+    Cp = M.shape[-1]
+    nb = Cp // (2 * h)
+    Mv = M.unflatten(-1, (nb, 2, h)).unflatten(-5, (nb, 2, h))  # [.., nb, 2, h, 2, nb, 2, h]
+    blocks = Mv.select(-2, 0).select(-5, 1)  # [.., nb(r), h(r), 2, nb(i), h(i)]
+    return torch.diagonal(blocks, dim1=-5, dim2=-2).movedim(-1, -4)
+
+
+def _intra_group_bwd(q: Tensor, k: Tensor, G: Tensor, dM: Tensor
+                     ) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dG) [B, H, n, Cp, K] of ``_intra_group`` given dM [B, H, n, Cp, 2, Cp] (entries
+    above the diagonal are ignored). Per level and cross block (x_row = X_r e_row, k_col = k_i
+    e_col): d x_row = dcross k_col, d k_col = dcross^T x_row; then d X_r += d x_row e_row,
+    d k_i += d k_col e_col, and G gets x * dx for every factor (G_r and G_i directly, G_s with
+    the opposite sign)."""
+    B, H, n, Cp, K = q.shape
+    X = torch.stack([k, q], dim=-2)  # [.., Cp, 2, K]
+    d_diag = torch.diagonal(dM, dim1=-3, dim2=-1).transpose(-1, -2)  # [.., Cp, 2]
+    dX = d_diag.unsqueeze(-1) * k.unsqueeze(-2)  # [.., Cp, 2, K]
+    dk = (d_diag.unsqueeze(-1) * X).sum(-2)  # [.., Cp, K]
+    dG = torch.zeros_like(G)
+    h = 1
+    while h < Cp:
+        nb = Cp // (2 * h)
+        e_col, e_row = _halves(G, h)
+        k_col = k.unflatten(-2, (nb, 2, h))[..., 0, :, :] * e_col  # [.., nb, h, K]
+        x_row = X.unflatten(-3, (nb, 2, h))[..., 1, :, :, :] * e_row.unsqueeze(-2)  # [.., h, 2, K]
+        dcross = _cross_view(dM, h)  # [.., nb, h(r), 2, h(i)]
+        if h <= _SMALL_BLOCK:
+            dx_row = (dcross.unsqueeze(-1) * k_col[..., None, None, :, :]).sum(-2)
+            dk_col = (dcross.unsqueeze(-1) * x_row.unsqueeze(-2)).sum((-4, -3))
+        else:
+            flat = dcross.flatten(-3, -2)  # [.., nb, 2h, h]
+            dx_row = (flat @ k_col).unflatten(-2, (h, 2))
+            dk_col = flat.transpose(-1, -2) @ x_row.flatten(-3, -2)
+        dX.unflatten(-3, (nb, 2, h))[..., 1, :, :, :].add_(dx_row * e_row.unsqueeze(-2))
+        dk.unflatten(-2, (nb, 2, h))[..., 0, :, :].add_(dk_col * e_col)
+        t_row = (dx_row * x_row).sum(-2)  # [.., nb, h, K]
+        t_col = dk_col * k_col
+        dGv = dG.unflatten(-2, (nb, 2, h))
+        dGv[..., 1, :, :].add_(t_row)
+        dGv[..., 0, :, :].sub_(t_col)
+        dGv[..., 0, h - 1, :].add_(t_col.sum(-2) - t_row.sum(-2))
+        h *= 2
+    return dX[..., 1, :], dk + dX[..., 0, :], dG
+
+
+def _pad_pow2(q: Tensor, k: Tensor, G: Tensor) -> tuple[Tensor, Tensor, Tensor, int]:
+    """Pad the chunk dim C to a power of two Cp with no-op tokens (q = k = 0, G held at the
+    chunk's last value: zero scores, sliced off)."""
+    C, K = q.shape[-2], q.shape[-1]
+    Cp = 1 << (C - 1).bit_length()
+    if Cp != C:
+        q, k = (F.pad(x, (0, 0, 0, Cp - C)) for x in (q, k))
+        G = torch.cat([G, G[..., -1:, :].expand(*G.shape[:-2], Cp - C, K)], dim=-2)
+    return q, k, G, Cp
+
+
+def _group_step(q: Tensor, Cp: int) -> int:
+    """Chunks per group: temporaries within INTRA_BUDGET elements (fresh large CPU allocations
+    cost more in page faults than the arithmetic)."""
+    B, H, _, _, K = q.shape
+    return max(1, INTRA_BUDGET // (B * H * Cp * max(K, Cp)))
+
+
+def intra_scores(q: Tensor, k: Tensor, G: Tensor) -> tuple[Tensor, Tensor]:
+    """(S_kk, S_qk) [B, H, NC, C(r), C(i)]: <x_r, exp(G_r - G_i) k_i> (x = k, q) for i <= r, else 0.
+
+    Inputs [B, H, NC, C, K]; G is the in-chunk cumulative log-decay. Exact for any decay
+    strength with one formula (``_intra_group``). Chunks go in groups (``_group_step``)."""
+    C, NC = q.shape[-2], q.shape[2]
+    q, k, G, Cp = _pad_pow2(q, k, G)
+    step = _group_step(q, Cp)
+    parts = [_intra_group(q[:, :, s : s + step], k[:, :, s : s + step], G[:, :, s : s + step])
+             for s in range(0, NC, step)]
+    M = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]  # [B, H, NC, Cp, 2, Cp]
+    M = M[..., :C, :, :C]
+    return M[..., 0, :], M[..., 1, :]
+
+
+def intra_scores_bwd(q: Tensor, k: Tensor, G: Tensor, d_kk: Tensor, d_qk: Tensor
+                     ) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dG) [B, H, NC, C, K] of ``intra_scores`` for gradients d_kk, d_qk [.., C, C]
+    of its two outputs (only their lower triangles, diagonal included, are read)."""
+    C, NC = q.shape[-2], q.shape[2]
+    q, k, G, Cp = _pad_pow2(q, k, G)
+    dM = torch.stack([d_kk, d_qk], dim=-2)  # [.., C, 2, C]
+    if Cp != C:
+        dM = F.pad(dM, (0, Cp - C, 0, 0, 0, Cp - C))
+    step = _group_step(q, Cp)
+    parts = [_intra_group_bwd(q[:, :, s : s + step], k[:, :, s : s + step],
+                              G[:, :, s : s + step], dM[:, :, s : s + step])
+             for s in range(0, NC, step)]
+    outs = [torch.cat(p, dim=2) for p in zip(*parts)] if len(parts) > 1 else parts[0]
+    return tuple(x[..., :C, :] for x in outs)  # type: ignore[return-value]
+
+
+# ------------------------------------------------------------------ forward and backward
+def _chunk_fwd_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                    s0: Tensor | None, start: Tensor | None, chunk_doc: Tensor | None,
+                    scale: float, keep_ends: bool) -> tuple[Tensor, ...]:
+    """(o, ends, S, residuals...) of ``chunk_core``; residuals: WU [.., C, K+V] (the UT
+    solution), S_in [.., NC, K, V] (state entering each chunk), V_new [.., C, V] (pseudo-values),
+    S_kk [.., C, C] (strictly lower key scores), A_qk [.., C, C] (query scores, i <= r)."""
+    B, H, NC, C, K = q.shape
+    V = v.shape[-1]
+    G = g.cumsum(dim=-2)  # [B, H, NC, C, K] in-chunk cumulative log-decay
+    S_kk, A_qk = intra_scores(q, k, G)
+    S_kk = S_kk.tril(-1)
+    # UT transform: (I + beta S_kk) [W | U] = [beta exp(G) K | beta V]; unitriangular=True
+    # never reads the diagonal, so the strictly lower beta S_kk is passed as it is.
+    e_G = decay(G)
+    rhs = torch.cat([beta * e_G * k, beta * v], dim=-1)  # [B, H, NC, C, K + V]
+    WU = torch.linalg.solve_triangular(beta * S_kk, rhs, upper=False,
+                                       unitriangular=True).contiguous()  # LAPACK: col-major
+    W, U = WU.split([K, V], dim=-1)
+    G_last = G[..., -1:, :]  # [B, H, NC, 1, K]
+    k_to_end = k * decay(G_last - G)  # K exp(G_C - G)
+    a_end = decay(G_last.squeeze(-2)).unsqueeze(-1)  # [B, H, NC, K, 1] = exp(G_C)
+    # Inter-chunk recurrence over the (static) chunk count; operands from one unbind each.
+    U_n, W_n, a_n = U.unbind(2), W.unbind(2), a_end.unbind(2)
+    kt_n = k_to_end.transpose(-1, -2).unbind(2)  # [B, H, K, C] each
+    if start is None:
+        S = q.new_zeros(B, H, K, V) if s0 is None else s0
+    else:
+        S = q.new_zeros(1, H, K, V)
+        keep_n = (1.0 - start).unbind(0)
+        if s0 is not None:  # the state entering a document's first chunk: its initial state
+            init_n = (s0.index_select(0, chunk_doc) * start.view(-1, 1, 1, 1)).unbind(0)
+    ends, states, v_news = [], [], []
+    for n in range(NC):
+        if start is not None:
+            if keep_ends:
+                ends.append(S[0])
+            S = S * keep_n[n]  # reset where a document starts
+            if s0 is not None:
+                S = S + init_n[n]
+        v_new = U_n[n] - W_n[n] @ S  # [B, H, C, V] pseudo-values
+        states.append(S)
+        v_news.append(v_new)
+        S = a_n[n] * S + kt_n[n] @ v_new
+    S_in = torch.stack(states, dim=2)  # [B, H, NC, K, V]
+    V_new = torch.stack(v_news, dim=2)  # [B, H, NC, C, V]
+    o = ((q * e_G) @ S_in).add_(A_qk @ V_new).mul_(scale)  # [B, H, NC, C, V]
+    ends_t = torch.stack([*ends, S[0]]) if keep_ends else q.new_zeros(0)
+    # custom-op outputs have the fake implementation's (contiguous) strides
+    return o, ends_t, S, WU, S_in, V_new, S_kk, A_qk.contiguous()
+
+
+def _chunk_bwd_impl(do: Tensor, d_ends: Tensor | None, dS_out: Tensor | None, q: Tensor,
+                    k: Tensor, v: Tensor, g: Tensor, beta: Tensor, s0: Tensor | None,
+                    start: Tensor | None, chunk_doc: Tensor | None, WU: Tensor, S_in: Tensor,
+                    V_new: Tensor, S_kk: Tensor, A_qk: Tensor, scale: float, keep_ends: bool
+                    ) -> tuple[Tensor, ...]:
+    """(dq, dk, dv, dg, dbeta, ds0 or [0]) of ``chunk_core`` (module docstring)."""
+    B, H, NC, C, K = q.shape
+    G = g.cumsum(dim=-2)
+    e_G = decay(G)
+    G_last = G[..., -1:, :]
+    e_end = decay(G_last - G)
+    k_to_end = k * e_end
+    a_end = decay(G_last.squeeze(-2)).unsqueeze(-1)  # [B, H, NC, K, 1]
+    W = WU[..., :K]
+    q_dec = q * e_G
+    do_s = do * scale
+    # o = scale (q_dec S_in + A_qk V_new): everything but the recurrence, batched over chunks
+    d_qdec = do_s @ S_in.transpose(-1, -2)  # [.., C, K]
+    d_qk = do_s @ V_new.transpose(-1, -2)  # [.., C, C] (lower triangle read)
+    dV_o = A_qk.transpose(-1, -2) @ do_s  # [.., C, V]
+    dS_o = q_dec.transpose(-1, -2) @ do_s  # [.., K, V]
+    # reverse recurrence: S_out = a S + kt V_new, V_new = U - W S
+    dS = torch.zeros_like(S_in[:, :, 0]) if dS_out is None else dS_out.to(q.dtype)
+    if keep_ends and d_ends is not None:
+        dS = dS + d_ends[NC]
+    dVo_n, dSo_n, kd_n, a_n = dV_o.unbind(2), dS_o.unbind(2), k_to_end.unbind(2), a_end.unbind(2)
+    Wt_n = W.transpose(-1, -2).unbind(2)  # [B, H, K, C]
+    if start is not None:
+        keep_n = (1.0 - start).unbind(0)
+    dV, dS_next, d_post = [None] * NC, [None] * NC, [None] * NC
+    for n in range(NC - 1, -1, -1):
+        dS_next[n] = dS
+        dv = dVo_n[n] + kd_n[n] @ dS  # [B, H, C, V]
+        dS = a_n[n] * dS + dSo_n[n] - Wt_n[n] @ dv
+        dV[n] = dv
+        if start is not None:
+            d_post[n] = dS[0]
+            dS = dS * keep_n[n]
+            if keep_ends and d_ends is not None:
+                dS = dS + d_ends[n]
+    ds0 = q.new_zeros(0)
+    if s0 is not None:
+        if start is None:
+            ds0 = dS
+        else:
+            d_init = torch.stack(d_post) * start.view(-1, 1, 1, 1)  # [NC, H, K, V]
+            ds0 = torch.zeros_like(s0).index_add_(0, chunk_doc, d_init)
+    dV_new = torch.stack(dV, dim=2)  # [B, H, NC, C, V]
+    dS_n = torch.stack(dS_next, dim=2)  # [B, H, NC, K, V] gradient of each chunk's S_out
+    d_kd = V_new @ dS_n.transpose(-1, -2)  # [.., C, K]
+    d_a = (S_in * dS_n).sum(-1)  # [.., NC, K]
+    # UT transform: [W | U] = L^-1 R  ->  dR = L^-T d[W | U], d(beta S_kk) = -dR [W | U]^T
+    dWU = torch.cat([-(dV_new @ S_in.transpose(-1, -2)), dV_new], dim=-1)
+    dR = torch.linalg.solve_triangular((beta * S_kk).transpose(-1, -2), dWU, upper=True,
+                                       unitriangular=True).contiguous()
+    dA = (dR @ WU.transpose(-1, -2)).tril_(-1).neg_()  # [.., C, C] d(beta S_kk)
+    d_kk = beta * dA
+    dRk, dRv = dR[..., :K], dR[..., K:]
+    ek = e_G * k
+    dbeta = ((dA * S_kk).sum(-1, keepdim=True) + (dRk * ek).sum(-1, keepdim=True)
+             + (dRv * v).sum(-1, keepdim=True))
+    dv_in = beta * dRv
+    dk = dRk * beta * e_G + d_kd * e_end
+    dq = d_qdec * e_G
+    t_end = d_kd * k_to_end
+    dG = dRk * beta * ek + d_qdec * q_dec - t_end
+    dG[..., -1, :] += t_end.sum(-2) + d_a * a_end.squeeze(-1)
+    dq_i, dk_i, dG_i = intra_scores_bwd(q, k, G, d_kk, d_qk)
+    dq += dq_i
+    dk += dk_i
+    dG += dG_i
+    dg = dG.flip(-2).cumsum(-2).flip(-2)  # G = cumsum(g)
+    return tuple(x.contiguous() for x in (dq, dk, dv_in, dg, dbeta, ds0))
+
+
+@torch.library.custom_op("k3::kda_chunk", mutates_args=())
+def _kda_chunk_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, s0: Tensor | None,
+                  start: Tensor | None, chunk_doc: Tensor | None, scale: float, keep_ends: bool
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``chunk_core`` forward: (o, ends or [0], S, WU, S_in, V_new, S_kk, A_qk)."""
+    return _chunk_fwd_impl(q, k, v, g, beta, s0, start, chunk_doc, scale, keep_ends)
+
+
+@_kda_chunk_op.register_fake
+def _(q, k, v, g, beta, s0, start, chunk_doc, scale, keep_ends):
+    B, H, NC, C, K = q.shape
+    V = v.shape[-1]
+    ends = q.new_empty(NC + 1, H, K, V) if keep_ends else q.new_empty(0)
+    return (v.new_empty(B, H, NC, C, V), ends, q.new_empty(B, H, K, V),
+            q.new_empty(B, H, NC, C, K + V), q.new_empty(B, H, NC, K, V),
+            q.new_empty(B, H, NC, C, V), q.new_empty(B, H, NC, C, C),
+            q.new_empty(B, H, NC, C, C))
+
+
+@torch.library.custom_op("k3::kda_chunk_bwd", mutates_args=())
+def _kda_chunk_bwd_op(do: Tensor, d_ends: Tensor | None, dS_out: Tensor | None, q: Tensor,
+                      k: Tensor, v: Tensor, g: Tensor, beta: Tensor, s0: Tensor | None,
+                      start: Tensor | None, chunk_doc: Tensor | None, WU: Tensor,
+                      S_in: Tensor, V_new: Tensor, S_kk: Tensor, A_qk: Tensor, scale: float,
+                      keep_ends: bool
+                      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``chunk_core`` backward: (dq, dk, dv, dg, dbeta, ds0 or [0])."""
+    return _chunk_bwd_impl(do, d_ends, dS_out, q, k, v, g, beta, s0, start, chunk_doc, WU,
+                           S_in, V_new, S_kk, A_qk, scale, keep_ends)
+
+
+@_kda_chunk_bwd_op.register_fake
+def _(do, d_ends, dS_out, q, k, v, g, beta, s0, start, chunk_doc, WU, S_in, V_new, S_kk, A_qk,
+      scale, keep_ends):
+    ds0 = q.new_empty(0) if s0 is None else torch.empty_like(s0)
+    return (*(torch.empty_like(x) for x in (q, k, v, g, beta)), ds0)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, g, beta, s0, start, chunk_doc, scale, keep_ends = inputs
+    ctx.save_for_backward(q, k, v, g, beta, s0, start, chunk_doc, *output[3:])
+    ctx.opts = (scale, keep_ends)
+    ctx.mark_non_differentiable(*output[3:])
+
+
+def _backward(ctx, do, d_ends, dS_out, *_residual_grads):
+    q, k, v, g, beta, s0, start, chunk_doc, *residuals = ctx.saved_tensors
+    scale, keep_ends = ctx.opts
+    if do is None:
+        do = torch.zeros_like(residuals[2])  # V_new's shape is o's
+    grads = _kda_chunk_bwd_op(do, d_ends if keep_ends else None, dS_out, q, k, v, g, beta, s0,
+                              start, chunk_doc, *residuals, scale, keep_ends)
+    return (*grads[:5], None if s0 is None else grads[5], None, None, None, None)
+
+
+_kda_chunk_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _flops(q_shape, v_shape, backward: bool) -> int:
+    """Matrix-product FLOPs of the op: per token slot and head 6KV + 3C(K+V) forward (the
+    recurrence's four C x K x V products, intra scores, solve, score-value product: what
+    ``train.flops`` counts for KDA), 12KV + 7C(K+V) backward (no forward re-run)."""
+    B, H, NC, C, K = q_shape
+    V = v_shape[-1]
+    per_slot = 12 * K * V + 7 * C * (K + V) if backward else 6 * K * V + 3 * C * (K + V)
+    return B * H * NC * C * per_slot
+
+
+@register_flop_formula(torch.ops.k3.kda_chunk)
+def _(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> int:
+    return _flops(q_shape, v_shape, backward=False)
+
+
+@register_flop_formula(torch.ops.k3.kda_chunk_bwd)
+def _(do_shape, d_ends_shape, dS_shape, q_shape, k_shape, v_shape, *args, out_shape=None,
+      **kwargs) -> int:
+    return _flops(q_shape, v_shape, backward=True)
+
+
+def chunk_core(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, s0: Tensor | None,
+               scale: float, start: Tensor | None = None, chunk_doc: Tensor | None = None,
+               keep_ends: bool = False) -> tuple[Tensor, Tensor | None, Tensor]:
+    """Chunked KDA on the chunk layout: q, k, g [B, H, NC, C, K], v [B, H, NC, C, V],
+    beta [B, H, NC, C, 1], one float dtype; padding tokens are all zeros (exact no-ops).
+
+    Dense (start None): row b starts from s0[b]. Document-aligned (start [NC], 1.0 at a chunk
+    where a document begins, chunk_doc [NC] long, its document, B == 1): the state entering such
+    a chunk is s0[chunk_doc] (zeros without s0). Returns (o [B, H, NC, C, V], ends: with
+    keep_ends, the states before each chunk's reset and after the last chunk [NC+1, H, K, V],
+    else None; S the state after the last chunk [B, H, K, V])."""
+    xs = [x.contiguous() for x in (q, k, v, g, beta)]
+    o, ends, S, *_ = _kda_chunk_op(*xs, s0, start, chunk_doc, float(scale), bool(keep_ends))
+    return o, (ends if keep_ends else None), S
