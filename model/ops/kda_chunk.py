@@ -98,21 +98,21 @@ def _intra_group_bwd(q: Tensor, k: Tensor, G: Tensor, dM: Tensor
                      ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dG) [B, H, n, Cp, K] of ``_intra_group`` given dM [B, H, n, Cp, 2, Cp] (entries
     above the diagonal are ignored). Per level and cross block (x_row = X_r e_row, k_col = k_i
-    e_col): d x_row = dcross k_col, d k_col = dcross^T x_row; then d X_r += d x_row e_row,
-    d k_i += d k_col e_col, and G gets x * dx for every factor (G_r and G_i directly, G_s with
-    the opposite sign)."""
+    e_col): d x_row = dcross k_col, d k_col = dcross^T x_row, so d X_r += d x_row e_row and
+    d k_i += d k_col e_col. G needs no per-level work: a cross term depends on G_r - G_i only
+    (G_s cancels), so dG_r = sum_x dX_r^cross X_r and dG_i = -dk_i^cross k_i, summed over all
+    levels at once from the cross parts of dX and dk."""
     B, H, n, Cp, K = q.shape
     X = torch.stack([k, q], dim=-2)  # [.., Cp, 2, K]
-    d_diag = torch.diagonal(dM, dim1=-3, dim2=-1).transpose(-1, -2)  # [.., Cp, 2]
-    dX = d_diag.unsqueeze(-1) * k.unsqueeze(-2)  # [.., Cp, 2, K]
-    dk = (d_diag.unsqueeze(-1) * X).sum(-2)  # [.., Cp, K]
-    dG = torch.zeros_like(G)
+    dXc = torch.zeros_like(X)  # cross-block parts of dX and dk
+    dkc = torch.zeros_like(k)
     h = 1
     while h < Cp:
         nb = Cp // (2 * h)
         e_col, e_row = _halves(G, h)
         k_col = k.unflatten(-2, (nb, 2, h))[..., 0, :, :] * e_col  # [.., nb, h, K]
-        x_row = X.unflatten(-3, (nb, 2, h))[..., 1, :, :, :] * e_row.unsqueeze(-2)  # [.., h, 2, K]
+        e_row = e_row.unsqueeze(-2)
+        x_row = X.unflatten(-3, (nb, 2, h))[..., 1, :, :, :] * e_row  # [.., nb, h, 2, K]
         dcross = _cross_view(dM, h)  # [.., nb, h(r), 2, h(i)]
         if h <= _SMALL_BLOCK:
             dx_row = (dcross.unsqueeze(-1) * k_col[..., None, None, :, :]).sum(-2)
@@ -121,16 +121,14 @@ def _intra_group_bwd(q: Tensor, k: Tensor, G: Tensor, dM: Tensor
             flat = dcross.flatten(-3, -2)  # [.., nb, 2h, h]
             dx_row = (flat @ k_col).unflatten(-2, (h, 2))
             dk_col = flat.transpose(-1, -2) @ x_row.flatten(-3, -2)
-        dX.unflatten(-3, (nb, 2, h))[..., 1, :, :, :].add_(dx_row * e_row.unsqueeze(-2))
-        dk.unflatten(-2, (nb, 2, h))[..., 0, :, :].add_(dk_col * e_col)
-        t_row = (dx_row * x_row).sum(-2)  # [.., nb, h, K]
-        t_col = dk_col * k_col
-        dGv = dG.unflatten(-2, (nb, 2, h))
-        dGv[..., 1, :, :].add_(t_row)
-        dGv[..., 0, :, :].sub_(t_col)
-        dGv[..., 0, h - 1, :].add_(t_col.sum(-2) - t_row.sum(-2))
+        dXc.unflatten(-3, (nb, 2, h))[..., 1, :, :, :].addcmul_(dx_row, e_row)
+        dkc.unflatten(-2, (nb, 2, h))[..., 0, :, :].addcmul_(dk_col, e_col)
         h *= 2
-    return dX[..., 1, :], dk + dX[..., 0, :], dG
+    dG = (dXc * X).sum(-2).sub_(dkc * k)
+    d_diag = torch.diagonal(dM, dim1=-3, dim2=-1).transpose(-1, -2).unsqueeze(-1)  # [.., Cp, 2, 1]
+    dXc.addcmul_(d_diag, k.unsqueeze(-2))  # i == r: <X_r, k_r>
+    dkc.add_((d_diag * X).sum(-2))
+    return dXc[..., 1, :], dkc.add_(dXc[..., 0, :]), dG
 
 
 def _pad_pow2(q: Tensor, k: Tensor, G: Tensor) -> tuple[Tensor, Tensor, Tensor, int]:
@@ -184,6 +182,11 @@ def intra_scores_bwd(q: Tensor, k: Tensor, G: Tensor, d_kk: Tensor, d_qk: Tensor
 
 
 # ------------------------------------------------------------------ forward and backward
+def _flat(x: Tensor) -> Tensor:
+    """[B, H, NC, m, n] -> [B H NC, m, n] (a view for the contiguous tensors here) for bmm."""
+    return x.reshape(-1, *x.shape[-2:])
+
+
 def _chunk_fwd_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                     s0: Tensor | None, start: Tensor | None, chunk_doc: Tensor | None,
                     scale: float, keep_ends: bool) -> tuple[Tensor, ...]:
@@ -198,7 +201,9 @@ def _chunk_fwd_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     # UT transform: (I + beta S_kk) [W | U] = [beta exp(G) K | beta V]; unitriangular=True
     # never reads the diagonal, so the strictly lower beta S_kk is passed as it is.
     e_G = decay(G)
-    rhs = torch.cat([beta * e_G * k, beta * v], dim=-1)  # [B, H, NC, C, K + V]
+    rhs = q.new_empty(B, H, NC, C, K + V)  # [beta exp(G) K | beta V], written in place
+    torch.mul(beta * e_G, k, out=rhs[..., :K])
+    torch.mul(beta, v, out=rhs[..., K:])
     WU = torch.linalg.solve_triangular(beta * S_kk, rhs, upper=False,
                                        unitriangular=True).contiguous()  # LAPACK: col-major
     W, U = WU.split([K, V], dim=-1)
@@ -229,7 +234,8 @@ def _chunk_fwd_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
         S = a_n[n] * S + kt_n[n] @ v_new
     S_in = torch.stack(states, dim=2)  # [B, H, NC, K, V]
     V_new = torch.stack(v_news, dim=2)  # [B, H, NC, C, V]
-    o = ((q * e_G) @ S_in).add_(A_qk @ V_new).mul_(scale)  # [B, H, NC, C, V]
+    o = _flat(q * e_G) @ _flat(S_in)  # [B H NC, C, V]
+    o = torch.baddbmm(o, _flat(A_qk), _flat(V_new), beta=scale, alpha=scale).view(v.shape)
     ends_t = torch.stack([*ends, S[0]]) if keep_ends else q.new_zeros(0)
     # custom-op outputs have the fake implementation's (contiguous) strides
     return o, ends_t, S, WU, S_in, V_new, S_kk, A_qk.contiguous()
@@ -264,12 +270,16 @@ def _chunk_bwd_impl(do: Tensor, d_ends: Tensor | None, dS_out: Tensor | None, q:
     Wt_n = W.transpose(-1, -2).unbind(2)  # [B, H, K, C]
     if start is not None:
         keep_n = (1.0 - start).unbind(0)
-    dV, dS_next, d_post = [None] * NC, [None] * NC, [None] * NC
+    V = v.shape[-1]
+    dWU = q.new_empty(B, H, NC, C, K + V)  # d[W | U], dU = dV_new written by the loop
+    dV_new = dWU[..., K:]
+    dV_n = dV_new.unbind(2)
+    dS_next, d_post = [None] * NC, [None] * NC
     for n in range(NC - 1, -1, -1):
         dS_next[n] = dS
-        dv = dVo_n[n] + kd_n[n] @ dS  # [B, H, C, V]
-        dS = a_n[n] * dS + dSo_n[n] - Wt_n[n] @ dv
-        dV[n] = dv
+        dv = (kd_n[n] @ dS).add_(dVo_n[n])  # [B, H, C, V]
+        dV_n[n].copy_(dv)
+        dS = torch.addcmul(dSo_n[n], a_n[n], dS).sub_(Wt_n[n] @ dv)
         if start is not None:
             d_post[n] = dS[0]
             dS = dS * keep_n[n]
@@ -282,28 +292,28 @@ def _chunk_bwd_impl(do: Tensor, d_ends: Tensor | None, dS_out: Tensor | None, q:
         else:
             d_init = torch.stack(d_post) * start.view(-1, 1, 1, 1)  # [NC, H, K, V]
             ds0 = torch.zeros_like(s0).index_add_(0, chunk_doc, d_init)
-    dV_new = torch.stack(dV, dim=2)  # [B, H, NC, C, V]
     dS_n = torch.stack(dS_next, dim=2)  # [B, H, NC, K, V] gradient of each chunk's S_out
     d_kd = V_new @ dS_n.transpose(-1, -2)  # [.., C, K]
-    d_a = (S_in * dS_n).sum(-1)  # [.., NC, K]
+    d_a = torch.linalg.vecdot(S_in, dS_n)  # [.., NC, K]
     # UT transform: [W | U] = L^-1 R  ->  dR = L^-T d[W | U], d(beta S_kk) = -dR [W | U]^T
-    dWU = torch.cat([-(dV_new @ S_in.transpose(-1, -2)), dV_new], dim=-1)
+    dWU[..., :K].copy_(dV_new @ S_in.transpose(-1, -2)).neg_()
     dR = torch.linalg.solve_triangular((beta * S_kk).transpose(-1, -2), dWU, upper=True,
                                        unitriangular=True).contiguous()
     dA = (dR @ WU.transpose(-1, -2)).tril_(-1).neg_()  # [.., C, C] d(beta S_kk)
     d_kk = beta * dA
     dRk, dRv = dR[..., :K], dR[..., K:]
-    ek = e_G * k
-    dbeta = ((dA * S_kk).sum(-1, keepdim=True) + (dRk * ek).sum(-1, keepdim=True)
-             + (dRv * v).sum(-1, keepdim=True))
+    dRk_e = dRk * e_G  # d(beta exp(G) k) / (beta k)
+    dG = dRk_e * k  # also dbeta's key part
+    dbeta = (torch.linalg.vecdot(dA, S_kk) + dG.sum(-1) + torch.linalg.vecdot(dRv, v)
+             ).unsqueeze(-1)
+    dG.mul_(beta)
     dv_in = beta * dRv
-    dk = dRk * beta * e_G + d_kd * e_end
-    dq = d_qdec * e_G
+    dk = dRk_e.mul_(beta).addcmul_(d_kd, e_end)
     t_end = d_kd * k_to_end
-    dG = dRk * beta * ek + d_qdec * q_dec - t_end
+    dG.addcmul_(d_qdec, q_dec).sub_(t_end)
     dG[..., -1, :] += t_end.sum(-2) + d_a * a_end.squeeze(-1)
     dq_i, dk_i, dG_i = intra_scores_bwd(q, k, G, d_kk, d_qk)
-    dq += dq_i
+    dq = dq_i.addcmul_(d_qdec, e_G)
     dk += dk_i
     dG += dG_i
     dg = dG.flip(-2).cumsum(-2).flip(-2)  # G = cumsum(g)
