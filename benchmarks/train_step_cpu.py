@@ -12,8 +12,8 @@ same process at the same thread count: the best of `torch.mm` over the model's o
 (tokens x hidden x 1408, tokens x hidden x hidden, tokens x 256 x 256 and tokens x hidden x
 vocab), fp32. MFU = model FLOPs of the batch (`train.flops.step_flops`, what the trainer
 reports) / step time / that GEMM rate. `compiled` wraps every decoder layer in
-`torch.compile` (inductor, as `parallel.compile=true` does; the first step compiles, which took
-over 15 minutes on 2 busy cores, so it is opt-in).
+`torch.compile` (inductor, as `parallel.compile=true` does; the first step compiles: 35 s cold
+on 2 cores, the KDA reference's chunk math being one opaque custom op; opt-in).
 Threads default to all cores (`os.cpu_count()`).
 `--components` adds where an eager step's time goes: forward+backward of one KDA attention
 (and of its chunked KDA op alone: forward, and forward+backward), one gated MLA, one latent MoE
