@@ -6,7 +6,7 @@ for any decay), the UT transform (one unit-lower-triangular solve), the inter-ch
 (a Python loop over the static chunk count) and the output. It is the custom op
 ``k3::kda_chunk`` (forward) / ``k3::kda_chunk_bwd`` (backward): one opaque node in fake-tensor
 traces and torch.compile graphs (so compile does not unroll its loops), and a backward written
-out by hand, not taped by autograd: autograd's backward of the ~1000 small ops spent most of its
+out by hand, not taped by autograd: autograd's backward of its ~1000 small ops spent much of its
 time in zero fills, slice copies and the mirror image of every product (on a CPU, memory
 passes are the cost). The forward returns its residuals (the UT solution, the states entering
 each chunk, the pseudo-values and the two score matrices) as extra outputs, so the backward
