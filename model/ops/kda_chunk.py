@@ -40,19 +40,24 @@ def decay(x: Tensor) -> Tensor:
     """exp(x) for a log-decay x <= 0, with x clamped at log(tiny)/3 of its dtype: no x86
     subnormals in the factor or in a product of two (a subnormal-producing exp, and every op
     reading its output, runs ~15x slower on CPU). Absolute error < 3e-13 in fp32 (1e-102 in
-    fp64); the clamp passes no gradient below the floor, where the true one is as small."""
+    fp64); the hand-written backward uses the clamped value, as small as the true one."""
     return x.clamp(min=math.log(torch.finfo(x.dtype).tiny) / 3.0).exp()
 
 
 # ------------------------------------------------------------------ intra-chunk scores
-def _halves(G: Tensor, h: int) -> tuple[Tensor, Tensor]:
-    """Decay factors of the dyadic level with half-blocks of h tokens, G [.., Cp, K]:
-    (e_col [.., nb, h, K] = exp(G_s - G_i) over first halves, e_row = exp(G_r - G_s) over second
-    halves), G_s the cumulative decay at each first half's last token."""
+def _level(k: Tensor, X: Tensor, G: Tensor, h: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Operands of the dyadic level with half-blocks of h tokens (k, G [.., Cp, K], X = [k, q]
+    [.., Cp, 2, K]): e_col [.., nb, h, K] = exp(G_s - G_i) over first halves, e_row
+    [.., nb, h, 1, K] = exp(G_r - G_s) over second halves (G_s the cumulative decay at each
+    first half's last token), k_col = k_i e_col and x_row = X_r e_row [.., nb, h, 2, K]."""
     nb = G.shape[-2] // (2 * h)
     Gv = G.unflatten(-2, (nb, 2, h))  # [.., nb, 2, h, K]
     G_s = Gv[..., 0, h - 1 :, :]  # [.., nb, 1, K]
-    return decay(G_s - Gv[..., 0, :, :]), decay(Gv[..., 1, :, :] - G_s)
+    e_col = decay(G_s - Gv[..., 0, :, :])
+    e_row = decay(Gv[..., 1, :, :] - G_s).unsqueeze(-2)
+    k_col = k.unflatten(-2, (nb, 2, h))[..., 0, :, :] * e_col
+    x_row = X.unflatten(-3, (nb, 2, h))[..., 1, :, :, :] * e_row
+    return e_col, e_row, k_col, x_row
 
 
 def _intra_group(q: Tensor, k: Tensor, G: Tensor) -> Tensor:
@@ -71,10 +76,7 @@ def _intra_group(q: Tensor, k: Tensor, G: Tensor) -> Tensor:
     torch.diagonal(M, dim1=-3, dim2=-1).copy_((X * k.unsqueeze(-2)).sum(-1).transpose(-1, -2))
     h = 1
     while h < Cp:
-        nb = Cp // (2 * h)
-        e_col, e_row = _halves(G, h)
-        k_col = k.unflatten(-2, (nb, 2, h))[..., 0, :, :] * e_col  # [.., nb, h(i), K]
-        x_row = X.unflatten(-3, (nb, 2, h))[..., 1, :, :, :] * e_row.unsqueeze(-2)  # [.., h, 2, K]
+        _, _, k_col, x_row = _level(k, X, G, h)
         if h <= _SMALL_BLOCK:  # tiny matrices: a broadcast product beats batched matmul
             cross = (x_row.unsqueeze(-2) * k_col[..., None, None, :, :]).sum(-1)
         else:
@@ -109,10 +111,7 @@ def _intra_group_bwd(q: Tensor, k: Tensor, G: Tensor, dM: Tensor
     h = 1
     while h < Cp:
         nb = Cp // (2 * h)
-        e_col, e_row = _halves(G, h)
-        k_col = k.unflatten(-2, (nb, 2, h))[..., 0, :, :] * e_col  # [.., nb, h, K]
-        e_row = e_row.unsqueeze(-2)
-        x_row = X.unflatten(-3, (nb, 2, h))[..., 1, :, :, :] * e_row  # [.., nb, h, 2, K]
+        e_col, e_row, k_col, x_row = _level(k, X, G, h)
         dcross = _cross_view(dM, h)  # [.., nb, h(r), 2, h(i)]
         if h <= _SMALL_BLOCK:
             dx_row = (dcross.unsqueeze(-1) * k_col[..., None, None, :, :]).sum(-2)
@@ -187,6 +186,15 @@ def _flat(x: Tensor) -> Tensor:
     return x.reshape(-1, *x.shape[-2:])
 
 
+def _chunk_factors(g: Tensor, k: Tensor) -> tuple[Tensor, ...]:
+    """Decays of the chunk layout shared by forward and backward: (G = in-chunk cumsum of g,
+    exp(G), exp(G_C - G), k_to_end = K exp(G_C - G), a_end = exp(G_C) [.., NC, K, 1])."""
+    G = g.cumsum(dim=-2)
+    G_last = G[..., -1:, :]  # [.., NC, 1, K]
+    e_end = decay(G_last - G)
+    return G, decay(G), e_end, k * e_end, decay(G_last.squeeze(-2)).unsqueeze(-1)
+
+
 def _chunk_fwd_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                     s0: Tensor | None, start: Tensor | None, chunk_doc: Tensor | None,
                     scale: float, keep_ends: bool) -> tuple[Tensor, ...]:
@@ -195,21 +203,17 @@ def _chunk_fwd_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     S_kk [.., C, C] (strictly lower key scores), A_qk [.., C, C] (query scores, i <= r)."""
     B, H, NC, C, K = q.shape
     V = v.shape[-1]
-    G = g.cumsum(dim=-2)  # [B, H, NC, C, K] in-chunk cumulative log-decay
+    G, e_G, _, k_to_end, a_end = _chunk_factors(g, k)
     S_kk, A_qk = intra_scores(q, k, G)
     S_kk = S_kk.tril(-1)
     # UT transform: (I + beta S_kk) [W | U] = [beta exp(G) K | beta V]; unitriangular=True
     # never reads the diagonal, so the strictly lower beta S_kk is passed as it is.
-    e_G = decay(G)
     rhs = q.new_empty(B, H, NC, C, K + V)  # [beta exp(G) K | beta V], written in place
     torch.mul(beta * e_G, k, out=rhs[..., :K])
     torch.mul(beta, v, out=rhs[..., K:])
     WU = torch.linalg.solve_triangular(beta * S_kk, rhs, upper=False,
                                        unitriangular=True).contiguous()  # LAPACK: col-major
     W, U = WU.split([K, V], dim=-1)
-    G_last = G[..., -1:, :]  # [B, H, NC, 1, K]
-    k_to_end = k * decay(G_last - G)  # K exp(G_C - G)
-    a_end = decay(G_last.squeeze(-2)).unsqueeze(-1)  # [B, H, NC, K, 1] = exp(G_C)
     # Inter-chunk recurrence over the (static) chunk count; operands from one unbind each.
     U_n, W_n, a_n = U.unbind(2), W.unbind(2), a_end.unbind(2)
     kt_n = k_to_end.transpose(-1, -2).unbind(2)  # [B, H, K, C] each
@@ -248,12 +252,7 @@ def _chunk_bwd_impl(do: Tensor, d_ends: Tensor | None, dS_out: Tensor | None, q:
                     ) -> tuple[Tensor, ...]:
     """(dq, dk, dv, dg, dbeta, ds0 or [0]) of ``chunk_core`` (module docstring)."""
     B, H, NC, C, K = q.shape
-    G = g.cumsum(dim=-2)
-    e_G = decay(G)
-    G_last = G[..., -1:, :]
-    e_end = decay(G_last - G)
-    k_to_end = k * e_end
-    a_end = decay(G_last.squeeze(-2)).unsqueeze(-1)  # [B, H, NC, K, 1]
+    G, e_G, e_end, k_to_end, a_end = _chunk_factors(g, k)
     W = WU[..., :K]
     q_dec = q * e_G
     do_s = do * scale
@@ -379,8 +378,8 @@ _kda_chunk_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _flops(q_shape, v_shape, backward: bool) -> int:
-    """Matrix-product FLOPs of the op: per token slot and head 6KV + 3C(K+V) forward (the
-    recurrence's four C x K x V products, intra scores, solve, score-value product: what
+    """Matrix-product FLOPs of the op: per token slot and head 6KV + 3C(K+V) forward (three
+    C x K x V products: W S, K^T V' and the output's Q S; intra scores, solve, A_qk V': what
     ``train.flops`` counts for KDA), 12KV + 7C(K+V) backward (no forward re-run)."""
     B, H, NC, C, K = q_shape
     V = v_shape[-1]
