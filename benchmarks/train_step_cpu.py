@@ -14,7 +14,9 @@ vocab), fp32. MFU = model FLOPs of the batch (`train.flops.step_flops`, what the
 reports) / step time / that GEMM rate. `compiled` wraps every decoder layer in
 `torch.compile` (inductor, as `parallel.compile=true` does; the first step compiles: 35 s cold
 on 2 cores, the KDA reference's chunk math being one opaque custom op; opt-in).
-Threads default to all cores (`os.cpu_count()`).
+Threads default to all cores (`os.cpu_count()`). Host memory is set up as the trainer sets it
+on CPU (`train.host_memory.keep_freed_memory`: freed activations stay in the process, no page
+faults every step); `minor_page_faults_per_step` reports what is left.
 `--components` adds where an eager step's time goes: forward+backward of one KDA attention
 (and of its chunked KDA op alone: forward, and forward+backward), one gated MLA, one latent MoE
 and the dense SiTU-GLU MLP on the step's hidden states (random, packed documents), each with
@@ -41,6 +43,7 @@ from model.config import load_model_config  # noqa: E402
 from model.packing import Packing  # noqa: E402
 from parallel.activation_checkpoint import apply_compile  # noqa: E402
 from train.flops import step_flops  # noqa: E402
+from train.host_memory import keep_freed_memory  # noqa: E402
 
 
 def gemm_rate(tokens: int, shapes: list[tuple[int, int]], repeats: int = 5) -> float:
@@ -178,6 +181,7 @@ def main() -> None:
                     help="also time each kind of sub-layer, forward+backward")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    keep_freed_memory()
     cfg = load_model_config("cpu_bench")
     tokens = args.batch * args.seq
     rate = gemm_rate(tokens, [(cfg.hidden_size, cfg.intermediate_size),

@@ -47,6 +47,7 @@ from train.distributed import DistEnv
 from train.evaluate import Validator
 from train.faults import Injections, poison_grad, poison_loss, poisoned_activation
 from train.flops import peak_flops, step_flops
+from train.host_memory import keep_freed_memory
 from train.host_syncs import HostSyncCounter
 from train.layout_images import attnres_weights, router_matrices
 from train.metrics import MetricsLogger, memory_stats
@@ -61,6 +62,8 @@ from train.stragglers import ComputeClock, StragglerDetector, gather_seconds
 
 def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
     """Train `job` on this rank; returns the final train state."""
+    if env.device.type == "cpu":
+        keep_freed_memory()  # activations live in host memory: no page faults every step
     dims = ParallelDims.from_config(job.parallel, env.world_size)
     meshes = dims.build_meshes(env.device.type)
     dp_rank = meshes.dp_rank
