@@ -216,6 +216,7 @@ def chunk_kda(
     return chunk_kda_reference(
         q, k, v, g, beta, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+        g_lower_bound=None if gate is None else gate.lower_bound,
     )
 
 
@@ -542,7 +543,7 @@ def _doc_layout(cu: Tensor, T: int, C: int) -> tuple[Tensor, Tensor, Tensor, Ten
 
 def _chunk_varlen(
     xs: list[Tensor], s0: Tensor | None, cu_seqlens: Tensor, scale: float, C: int,
-    output_final_state: bool,
+    output_final_state: bool, g_min: float | None,
 ) -> tuple[Tensor, Tensor | None]:
     q = xs[0]
     T, H = q.shape[1], q.shape[2]
@@ -556,7 +557,7 @@ def _chunk_varlen(
     q, k, v, g = (to_chunks(x) for x in xs[:4])
     beta = to_chunks(xs[4].unsqueeze(-1))
     o, ends, _ = chunk_core(q, k, v, g, beta, s0, scale, start.to(q.dtype), chunk_doc,
-                            keep_ends=output_final_state)
+                            keep_ends=output_final_state, g_min=g_min)
     o = o.permute(0, 2, 3, 1, 4).reshape(NC * C, H, -1).index_select(0, slot)  # [T, H, V]
     S = None
     if ends is not None:
@@ -575,22 +576,26 @@ def chunk_kda_reference(
     output_final_state: bool = False,
     cu_seqlens: Tensor | None = None,
     chunk_size: int = 64,
+    g_lower_bound: float | None = None,
 ) -> KDAOut:
     """Chunked (WY/UT-transform) KDA in pure PyTorch. Same contract as ``chunk_kda``.
 
     Output is cast to v's dtype; the final state is float32 (float64 for float64 inputs).
     Varlen uses the document-aligned chunk layout (module docstring): each document is padded
-    to a multiple of chunk_size only. No host synchronisation anywhere.
+    to a multiple of chunk_size only. No host synchronisation anywhere. ``g_lower_bound``: a
+    bound with g >= it everywhere (K3's gate guarantees its ``lower_bound``), which lets the
+    intra-chunk scores use larger blocks (``model.ops.kda_chunk.diag_block``); None for any g.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     xs, scale, s0 = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens)
     if cu_seqlens is not None:
-        o, S = _chunk_varlen(xs, s0, cu_seqlens, scale, chunk_size, output_final_state)
+        o, S = _chunk_varlen(xs, s0, cu_seqlens, scale, chunk_size, output_final_state,
+                             g_lower_bound)
         return o.to(v.dtype), S
     B, T, H, _ = q.shape
     qc, kc, vc, gc = (_dense_chunks(x, chunk_size) for x in xs[:4])
     bc = _dense_chunks(xs[4].unsqueeze(-1), chunk_size)
-    o, _, S = chunk_core(qc, kc, vc, gc, bc, s0, scale)
+    o, _, S = chunk_core(qc, kc, vc, gc, bc, s0, scale, g_min=g_lower_bound)
     o = o.permute(0, 2, 3, 1, 4).reshape(B, -1, H, o.shape[-1])[:, :T]  # [B, T, H, V]
     return o.to(v.dtype), (S if output_final_state else None)

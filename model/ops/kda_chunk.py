@@ -2,24 +2,26 @@
 
 ``chunk_core`` is what ``model.ops.kda.chunk_kda_reference`` runs once its inputs are in the
 [B, H, NC, C, D] chunk layout: the intra-chunk scores (``intra_scores``: dyadic blocks, exact
-for any decay), the UT transform (one unit-lower-triangular solve), the inter-chunk recurrence
-(a Python loop over the static chunk count) and the output. It is the custom op
-``k3::kda_chunk`` (forward) / ``k3::kda_chunk_bwd`` (backward): one opaque node in fake-tensor
-traces and torch.compile graphs (so compile does not unroll its loops), and a backward written
-out by hand, not taped by autograd: autograd's backward of its ~1000 small ops spent much of its
-time in zero fills, slice copies and the mirror image of every product (on a CPU, memory
-passes are the cost). The forward returns its residuals (the UT solution, the states entering
-each chunk, the pseudo-values and the two score matrices) as extra outputs, so the backward
-recomputes only cheap elementwise factors.
+for any decay; with K3's bounded gate, larger diagonal blocks, ``diag_block``), the UT transform
+(the explicit inverse (I + beta S_kk)^-1 from one unit-lower-triangular solve against I), the
+inter-chunk recurrence (a Python loop over the static chunk count) and the output. It is the
+custom op ``k3::kda_chunk`` (forward) / ``k3::kda_chunk_bwd`` (backward): one opaque node in
+fake-tensor traces and torch.compile graphs (so compile does not unroll its loops), and a
+backward written out by hand, not taped by autograd: autograd's backward of its ~1000 small ops
+spent much of its time in zero fills, slice copies and the mirror image of every product (on a
+CPU, memory passes are the cost). The forward returns its residuals (W, the inverse's
+transpose, the states entering each chunk, the pseudo-values and the two score matrices) as
+extra outputs, so the backward recomputes only cheap elementwise factors.
 
 Backward, per chunk (o = scale (Q e^G S_in + A_qk V'), V' = U - W S_in,
 S_out = e^{G_C} S_in + (K e^{G_C - G})^T V', [W | U] = (I + A_kk)^{-1} [beta e^G K | beta V]):
 the recurrence runs in reverse for dS (two products per chunk); everything else is batched
-over chunks: the score, pseudo-value and state products, one transposed triangular solve for
-the UT transform, and ``intra_scores_bwd``, which walks the same dyadic blocks as the forward.
-Exponents are clamped like the forward's (``decay``); where a factor is clamped, the backward
-uses the clamped value (a difference below 3e-13 in fp32, 1e-102 in fp64). No double backward.
-Validated by the oracle tests of ``tests/unit/test_kda_op.py`` (token recurrence, float64).
+over chunks: the score, pseudo-value and state products, the UT transform's gradient through
+the saved inverse (dR_v = (I + A_kk)^-T dV'), and ``intra_scores_bwd``, which walks the same
+blocks as the forward. Exponents are clamped like the forward's (``decay``); where a factor is
+clamped, the backward uses the clamped value (a difference below 3e-13 in fp32, 1e-102 in
+fp64). No double backward. Validated by the oracle tests of ``tests/unit/test_kda_op.py``
+(token recurrence, float64 direct formulas).
 """
 
 from __future__ import annotations
@@ -60,7 +62,34 @@ def _level(k: Tensor, X: Tensor, G: Tensor, h: int) -> tuple[Tensor, Tensor, Ten
     return e_col, e_row, k_col, x_row
 
 
-def _intra_group(q: Tensor, k: Tensor, G: Tensor) -> Tensor:
+def _diag_level(k: Tensor, X: Tensor, G: Tensor, S: int
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Operands of the S-token diagonal blocks (bounded gate, ``diag_block``): around each
+    block's midpoint token m, e_row = exp(G_r - G_m) [.., n, S, 1, K], e_col = exp(G_m - G_i)
+    [.., n, S, K], x_row = X_r e_row [.., n, S, 2, K], k_col = k_i e_col: exp(G_r - G_i) =
+    e_row e_col for every pair of the block, each factor within exp(+-|g_min| S / 2)."""
+    n = G.shape[-2] // S
+    Gv = G.unflatten(-2, (n, S))
+    x = Gv - Gv[..., S // 2 : S // 2 + 1, :]
+    e_row, e_col = x.exp().unsqueeze(-2), x.neg_().exp_()
+    x_row = X.unflatten(-3, (n, S)) * e_row
+    k_col = k.unflatten(-2, (n, S)) * e_col
+    return e_row, e_col, x_row, k_col
+
+
+def _diag_view(M: Tensor, S: int) -> Tensor:
+    """The S-token diagonal blocks of M [.., Cp(r), 2, Cp(i)] as a view [.., n, S(r), 2, S(i)]."""
+    n = M.shape[-1] // S
+    Mv = M.unflatten(-1, (n, S)).unflatten(-4, (n, S))  # [.., n, S, 2, n, S]
+    return torch.diagonal(Mv, dim1=-5, dim2=-2).movedim(-1, -4)
+
+
+def _block_mask(S: int, like: Tensor) -> Tensor:
+    """[S(r), 1, S(i)]: 1 where i <= r (the causal part of a diagonal block)."""
+    return torch.ones(S, S, dtype=like.dtype, device=like.device).tril_().unsqueeze(-2)
+
+
+def _intra_group(q: Tensor, k: Tensor, G: Tensor, S: int) -> Tensor:
     """Scores of one group of chunks, inputs [B, H, n, Cp, K] (Cp a power of two).
 
     Returns M [B, H, n, Cp(r), 2, Cp(i)]: (<k_r, exp(G_r - G_i) k_i>, <q_r, exp(G_r - G_i) k_i>)
@@ -68,13 +97,20 @@ def _intra_group(q: Tensor, k: Tensor, G: Tensor) -> Tensor:
     [cross, second half]], where cross (rows r in the second half, columns i in the first)
     factors exp(G_r - G_i) = exp(G_r - G_s) exp(G_s - G_i) around G_s, the cumulative decay at
     the first half's last token. G never increases (g <= 0), so both factors are <= 1 for any
-    decay: no overflow, no data-dependent choice, and every pair i < r is covered exactly once
-    (i == r needs no decay). Each level's cross blocks are written into their place in M."""
+    decay: no overflow, no data-dependent choice, and every pair i < r is covered exactly once.
+    The recursion stops at diagonal blocks of S tokens: S = 1 is the diagonal itself (i == r
+    needs no decay); S > 1 (a bounded gate, ``diag_block``) is one product per block around its
+    midpoint (``_diag_level``). Each level's blocks are written into their place in M."""
     B, H, n, Cp, K = q.shape
     X = torch.stack([k, q], dim=-2)  # [B, H, n, Cp, 2, K]: k and q rows side by side
     M = X.new_zeros(B, H, n, Cp, 2, Cp)
-    torch.diagonal(M, dim1=-3, dim2=-1).copy_((X * k.unsqueeze(-2)).sum(-1).transpose(-1, -2))
-    h = 1
+    if S == 1:
+        torch.diagonal(M, dim1=-3, dim2=-1).copy_((X * k.unsqueeze(-2)).sum(-1).mT)
+    else:
+        _, _, x_row, k_col = _diag_level(k, X, G, S)
+        D = (x_row.flatten(-3, -2) @ k_col.mT).unflatten(-2, (S, 2))  # [.., nS, S, 2, S]
+        _diag_view(M, S).copy_(D.mul_(_block_mask(S, D)))
+    h = S
     while h < Cp:
         _, _, k_col, x_row = _level(k, X, G, h)
         if h <= _SMALL_BLOCK:  # tiny matrices: a broadcast product beats batched matmul
@@ -96,19 +132,27 @@ def _cross_view(M: Tensor, h: int) -> Tensor:
     return torch.diagonal(blocks, dim1=-5, dim2=-2).movedim(-1, -4)
 
 
-def _intra_group_bwd(q: Tensor, k: Tensor, G: Tensor, dM: Tensor
+def _intra_group_bwd(q: Tensor, k: Tensor, G: Tensor, dM: Tensor, S: int
                      ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dG) [B, H, n, Cp, K] of ``_intra_group`` given dM [B, H, n, Cp, 2, Cp] (entries
-    above the diagonal are ignored). Per level and cross block (x_row = X_r e_row, k_col = k_i
-    e_col): d x_row = dcross k_col, d k_col = dcross^T x_row, so d X_r += d x_row e_row and
-    d k_i += d k_col e_col. G needs no per-level work: a cross term depends on G_r - G_i only
-    (G_s cancels), so dG_r = sum_x dX_r^cross X_r and dG_i = -dk_i^cross k_i, summed over all
-    levels at once from the cross parts of dX and dk."""
+    above the diagonal are ignored). Per block (x_row = X_r e_row, k_col = k_i e_col):
+    d x_row = dblock k_col, d k_col = dblock^T x_row, so d X_r += d x_row e_row and
+    d k_i += d k_col e_col. G needs no per-level work: a term depends on G_r - G_i only (the
+    reference point cancels), so dG_r = sum_x dX_r^blocks X_r and dG_i = -dk_i^blocks k_i, summed
+    over all levels at once from the block parts of dX and dk (a diagonal term i == r adds to
+    both and cancels, as it should)."""
     B, H, n, Cp, K = q.shape
     X = torch.stack([k, q], dim=-2)  # [.., Cp, 2, K]
-    dXc = torch.zeros_like(X)  # cross-block parts of dX and dk
-    dkc = torch.zeros_like(k)
-    h = 1
+    if S == 1:
+        dXc = torch.zeros_like(X)  # block parts of dX and dk
+        dkc = torch.zeros_like(k)
+    else:
+        e_row, e_col, x_row, k_col = _diag_level(k, X, G, S)
+        dD = _diag_view(dM, S) * _block_mask(S, dM)  # [.., nS, S(r), 2, S(i)]
+        flat = dD.flatten(-3, -2)  # [.., nS, 2S, S]
+        dXc = (flat @ k_col).unflatten(-2, (S, 2)).mul_(e_row).flatten(-4, -3)
+        dkc = (flat.mT @ x_row.flatten(-3, -2)).mul_(e_col).flatten(-3, -2)
+    h = S
     while h < Cp:
         nb = Cp // (2 * h)
         e_col, e_row, k_col, x_row = _level(k, X, G, h)
@@ -124,9 +168,10 @@ def _intra_group_bwd(q: Tensor, k: Tensor, G: Tensor, dM: Tensor
         dkc.unflatten(-2, (nb, 2, h))[..., 0, :, :].addcmul_(dk_col, e_col)
         h *= 2
     dG = (dXc * X).sum(-2).sub_(dkc * k)
-    d_diag = torch.diagonal(dM, dim1=-3, dim2=-1).transpose(-1, -2).unsqueeze(-1)  # [.., Cp, 2, 1]
-    dXc.addcmul_(d_diag, k.unsqueeze(-2))  # i == r: <X_r, k_r>
-    dkc.add_((d_diag * X).sum(-2))
+    if S == 1:
+        d_diag = torch.diagonal(dM, dim1=-3, dim2=-1).mT.unsqueeze(-1)  # [.., Cp, 2, 1]
+        dXc.addcmul_(d_diag, k.unsqueeze(-2))  # i == r: <X_r, k_r>
+        dkc.add_((d_diag * X).sum(-2))
     return dXc[..., 1, :], dkc.add_(dXc[..., 0, :]), dG
 
 
@@ -148,33 +193,53 @@ def _group_step(q: Tensor, Cp: int) -> int:
     return max(1, INTRA_BUDGET // (B * H * Cp * max(K, Cp)))
 
 
-def intra_scores(q: Tensor, k: Tensor, G: Tensor) -> tuple[Tensor, Tensor]:
+def diag_block(g_min: float | None, Cp: int, dtype: torch.dtype) -> int:
+    """Tokens per diagonal block of ``_intra_group``: 1 for an unbounded gate, else the largest
+    power of two S <= Cp with |g_min| S <= log(max of dtype) / 2 (S = 8 for K3's -5 in fp32):
+    every exp(+-(G_r - G_m)) of a block, and each masked product above its diagonal (at most
+    exp(|g_min| (S - 1)) times a score), stays finite with room for any score. A static choice
+    (config and dtype, not data)."""
+    if g_min is None:
+        return 1
+    limit = math.log(torch.finfo(dtype).max) / 2.0
+    S = 1
+    while 2 * S <= Cp and abs(g_min) * 2 * S <= limit:
+        S *= 2
+    return S
+
+
+def intra_scores(q: Tensor, k: Tensor, G: Tensor, g_min: float | None = None
+                 ) -> tuple[Tensor, Tensor]:
     """(S_kk, S_qk) [B, H, NC, C(r), C(i)]: <x_r, exp(G_r - G_i) k_i> (x = k, q) for i <= r, else 0.
 
     Inputs [B, H, NC, C, K]; G is the in-chunk cumulative log-decay. Exact for any decay
-    strength with one formula (``_intra_group``). Chunks go in groups (``_group_step``)."""
+    strength (``_intra_group``); ``g_min`` (a lower bound of every per-token log-decay, K3's
+    bounded gate) lets its diagonal blocks grow (``diag_block``): fewer, larger products, the
+    same result to rounding. Chunks go in groups (``_group_step``)."""
     C, NC = q.shape[-2], q.shape[2]
     q, k, G, Cp = _pad_pow2(q, k, G)
+    S = diag_block(g_min, Cp, q.dtype)
     step = _group_step(q, Cp)
-    parts = [_intra_group(q[:, :, s : s + step], k[:, :, s : s + step], G[:, :, s : s + step])
+    parts = [_intra_group(q[:, :, s : s + step], k[:, :, s : s + step], G[:, :, s : s + step], S)
              for s in range(0, NC, step)]
     M = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]  # [B, H, NC, Cp, 2, Cp]
     M = M[..., :C, :, :C]
     return M[..., 0, :], M[..., 1, :]
 
 
-def intra_scores_bwd(q: Tensor, k: Tensor, G: Tensor, d_kk: Tensor, d_qk: Tensor
-                     ) -> tuple[Tensor, Tensor, Tensor]:
+def intra_scores_bwd(q: Tensor, k: Tensor, G: Tensor, d_kk: Tensor, d_qk: Tensor,
+                     g_min: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dG) [B, H, NC, C, K] of ``intra_scores`` for gradients d_kk, d_qk [.., C, C]
     of its two outputs (only their lower triangles, diagonal included, are read)."""
     C, NC = q.shape[-2], q.shape[2]
     q, k, G, Cp = _pad_pow2(q, k, G)
+    S = diag_block(g_min, Cp, q.dtype)
     dM = torch.stack([d_kk, d_qk], dim=-2)  # [.., C, 2, C]
     if Cp != C:
         dM = F.pad(dM, (0, Cp - C, 0, 0, 0, Cp - C))
     step = _group_step(q, Cp)
     parts = [_intra_group_bwd(q[:, :, s : s + step], k[:, :, s : s + step],
-                              G[:, :, s : s + step], dM[:, :, s : s + step])
+                              G[:, :, s : s + step], dM[:, :, s : s + step], S)
              for s in range(0, NC, step)]
     outs = [torch.cat(p, dim=2) for p in zip(*parts)] if len(parts) > 1 else parts[0]
     return tuple(x[..., :C, :] for x in outs)  # type: ignore[return-value]
@@ -197,23 +262,26 @@ def _chunk_factors(g: Tensor, k: Tensor) -> tuple[Tensor, ...]:
 
 def _chunk_fwd_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                     s0: Tensor | None, start: Tensor | None, chunk_doc: Tensor | None,
-                    scale: float, keep_ends: bool) -> tuple[Tensor, ...]:
-    """(o, ends, S, residuals...) of ``chunk_core``; residuals: WU [.., C, K+V] (the UT
-    solution), S_in [.., NC, K, V] (state entering each chunk), V_new [.., C, V] (pseudo-values),
-    S_kk [.., C, C] (strictly lower key scores), A_qk [.., C, C] (query scores, i <= r)."""
+                    scale: float, keep_ends: bool, g_min: float | None = None
+                    ) -> tuple[Tensor, ...]:
+    """(o, ends, S, residuals...) of ``chunk_core``; residuals: W [.., C, K] (the UT
+    transform's keys), AinvT [.., C, C] ((I + beta S_kk)^-T), S_in [.., NC, K, V] (state entering
+    each chunk), V_new [.., C, V] (pseudo-values), S_kk [.., C, C] (strictly lower key scores),
+    A_qk [.., C, C] (query scores, i <= r)."""
     B, H, NC, C, K = q.shape
     V = v.shape[-1]
     G, e_G, _, k_to_end, a_end = _chunk_factors(g, k)
-    S_kk, A_qk = intra_scores(q, k, G)
+    S_kk, A_qk = intra_scores(q, k, G, g_min)
     S_kk = S_kk.tril(-1)
-    # UT transform: (I + beta S_kk) [W | U] = [beta exp(G) K | beta V]; unitriangular=True
-    # never reads the diagonal, so the strictly lower beta S_kk is passed as it is.
-    rhs = q.new_empty(B, H, NC, C, K + V)  # [beta exp(G) K | beta V], written in place
-    torch.mul(beta * e_G, k, out=rhs[..., :K])
-    torch.mul(beta, v, out=rhs[..., K:])
-    WU = torch.linalg.solve_triangular(beta * S_kk, rhs, upper=False,
-                                       unitriangular=True).contiguous()  # LAPACK: col-major
-    W, U = WU.split([K, V], dim=-1)
+    # UT transform: [W | U] = (I + beta S_kk)^-1 diag(beta) [exp(G) K | V], through the explicit
+    # inverse (one solve against I, C columns, not K + V; unitriangular=True never reads the
+    # diagonal): two row-major products, no strided copies, and the backward reuses it.
+    eye = torch.eye(C, dtype=q.dtype, device=q.device).expand(B, H, NC, C, C)
+    AinvT = torch.linalg.solve_triangular(beta * S_kk, eye, upper=False,
+                                          unitriangular=True).mT.contiguous()
+    P = (AinvT * beta).mT  # Ainv diag(beta)
+    W = P @ (k * e_G)
+    U = P @ v
     # Inter-chunk recurrence over the (static) chunk count; operands from one unbind each.
     U_n, W_n, a_n = U.unbind(2), W.unbind(2), a_end.unbind(2)
     kt_n = k_to_end.transpose(-1, -2).unbind(2)  # [B, H, K, C] each
@@ -235,25 +303,24 @@ def _chunk_fwd_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
         v_new = U_n[n] - W_n[n] @ S  # [B, H, C, V] pseudo-values
         states.append(S)
         v_news.append(v_new)
-        S = a_n[n] * S + kt_n[n] @ v_new
+        S = torch.baddbmm(_flat(a_n[n] * S), _flat(kt_n[n]), _flat(v_new)).view(S.shape)
     S_in = torch.stack(states, dim=2)  # [B, H, NC, K, V]
     V_new = torch.stack(v_news, dim=2)  # [B, H, NC, C, V]
     o = _flat(q * e_G) @ _flat(S_in)  # [B H NC, C, V]
     o = torch.baddbmm(o, _flat(A_qk), _flat(V_new), beta=scale, alpha=scale).view(v.shape)
     ends_t = torch.stack([*ends, S[0]]) if keep_ends else q.new_zeros(0)
     # custom-op outputs have the fake implementation's (contiguous) strides
-    return o, ends_t, S, WU, S_in, V_new, S_kk, A_qk.contiguous()
+    return o, ends_t, S, W, AinvT, S_in, V_new, S_kk, A_qk.contiguous()
 
 
 def _chunk_bwd_impl(do: Tensor, d_ends: Tensor | None, dS_out: Tensor | None, q: Tensor,
                     k: Tensor, v: Tensor, g: Tensor, beta: Tensor, s0: Tensor | None,
-                    start: Tensor | None, chunk_doc: Tensor | None, WU: Tensor, S_in: Tensor,
-                    V_new: Tensor, S_kk: Tensor, A_qk: Tensor, scale: float, keep_ends: bool
-                    ) -> tuple[Tensor, ...]:
+                    start: Tensor | None, chunk_doc: Tensor | None, W: Tensor, AinvT: Tensor,
+                    S_in: Tensor, V_new: Tensor, S_kk: Tensor, A_qk: Tensor, scale: float,
+                    keep_ends: bool, g_min: float | None = None) -> tuple[Tensor, ...]:
     """(dq, dk, dv, dg, dbeta, ds0 or [0]) of ``chunk_core`` (module docstring)."""
     B, H, NC, C, K = q.shape
     G, e_G, e_end, k_to_end, a_end = _chunk_factors(g, k)
-    W = WU[..., :K]
     q_dec = q * e_G
     do_s = do * scale
     # o = scale (q_dec S_in + A_qk V_new): everything but the recurrence, batched over chunks
@@ -269,15 +336,13 @@ def _chunk_bwd_impl(do: Tensor, d_ends: Tensor | None, dS_out: Tensor | None, q:
     Wt_n = W.transpose(-1, -2).unbind(2)  # [B, H, K, C]
     if start is not None:
         keep_n = (1.0 - start).unbind(0)
-    V = v.shape[-1]
-    dWU = q.new_empty(B, H, NC, C, K + V)  # d[W | U], dU = dV_new written by the loop
-    dV_new = dWU[..., K:]
+    dV_new = torch.empty_like(V_new)  # = dU, written by the loop
     dV_n = dV_new.unbind(2)
     dS_next, d_post = [None] * NC, [None] * NC
     for n in range(NC - 1, -1, -1):
         dS_next[n] = dS
-        dv = (kd_n[n] @ dS).add_(dVo_n[n])  # [B, H, C, V]
-        dV_n[n].copy_(dv)
+        dv = dV_n[n].copy_(dVo_n[n])
+        dv.view(-1, C, dv.shape[-1]).baddbmm_(_flat(kd_n[n]), _flat(dS))  # [B, H, C, V]
         dS = torch.addcmul(dSo_n[n], a_n[n], dS).sub_(Wt_n[n] @ dv)
         if start is not None:
             d_post[n] = dS[0]
@@ -294,14 +359,14 @@ def _chunk_bwd_impl(do: Tensor, d_ends: Tensor | None, dS_out: Tensor | None, q:
     dS_n = torch.stack(dS_next, dim=2)  # [B, H, NC, K, V] gradient of each chunk's S_out
     d_kd = V_new @ dS_n.transpose(-1, -2)  # [.., C, K]
     d_a = torch.linalg.vecdot(S_in, dS_n)  # [.., NC, K]
-    # UT transform: [W | U] = L^-1 R  ->  dR = L^-T d[W | U], d(beta S_kk) = -dR [W | U]^T
-    dWU[..., :K].copy_(dV_new @ S_in.transpose(-1, -2)).neg_()
-    dR = torch.linalg.solve_triangular((beta * S_kk).transpose(-1, -2), dWU, upper=True,
-                                       unitriangular=True).contiguous()
-    dA = (dR @ WU.transpose(-1, -2)).tril_(-1).neg_()  # [.., C, C] d(beta S_kk)
+    # UT transform, [W | U] = L^-1 R (L = I + beta S_kk, R = [beta exp(G) k | beta v]) with
+    # dW = -dV_new S_in^T, dU = dV_new: dR = L^-T [dW | dU] gives dR_v = Ainv^T dV_new and
+    # dR_k = -dR_v S_in^T; d(beta S_kk) = -(dR [W | U]^T) below the diagonal, and
+    # dR [W | U]^T = dR_v (U - W S_in)^T = dR_v V_new^T.
+    dRv = AinvT @ dV_new  # [.., C, V]
+    dRk_e = (dRv @ S_in.transpose(-1, -2)).neg_().mul_(e_G)  # dR_k e^G: per unit beta k
+    dA = (dRv @ V_new.transpose(-1, -2)).tril_(-1).neg_()  # [.., C, C] d(beta S_kk)
     d_kk = beta * dA
-    dRk, dRv = dR[..., :K], dR[..., K:]
-    dRk_e = dRk * e_G  # d(beta exp(G) k) / (beta k)
     dG = dRk_e * k  # also dbeta's key part
     dbeta = (torch.linalg.vecdot(dA, S_kk) + dG.sum(-1) + torch.linalg.vecdot(dRv, v)
              ).unsqueeze(-1)
@@ -311,7 +376,7 @@ def _chunk_bwd_impl(do: Tensor, d_ends: Tensor | None, dS_out: Tensor | None, q:
     t_end = d_kd * k_to_end
     dG.addcmul_(d_qdec, q_dec).sub_(t_end)
     dG[..., -1, :] += t_end.sum(-2) + d_a * a_end.squeeze(-1)
-    dq_i, dk_i, dG_i = intra_scores_bwd(q, k, G, d_kk, d_qk)
+    dq_i, dk_i, dG_i = intra_scores_bwd(q, k, G, d_kk, d_qk, g_min)
     dq = dq_i.addcmul_(d_qdec, e_G)
     dk += dk_i
     dG += dG_i
@@ -321,19 +386,21 @@ def _chunk_bwd_impl(do: Tensor, d_ends: Tensor | None, dS_out: Tensor | None, q:
 
 @torch.library.custom_op("k3::kda_chunk", mutates_args=())
 def _kda_chunk_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, s0: Tensor | None,
-                  start: Tensor | None, chunk_doc: Tensor | None, scale: float, keep_ends: bool
-                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``chunk_core`` forward: (o, ends or [0], S, WU, S_in, V_new, S_kk, A_qk)."""
-    return _chunk_fwd_impl(q, k, v, g, beta, s0, start, chunk_doc, scale, keep_ends)
+                  start: Tensor | None, chunk_doc: Tensor | None, scale: float, keep_ends: bool,
+                  g_min: float | None
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                             Tensor]:
+    """``chunk_core`` forward: (o, ends or [0], S, W, AinvT, S_in, V_new, S_kk, A_qk)."""
+    return _chunk_fwd_impl(q, k, v, g, beta, s0, start, chunk_doc, scale, keep_ends, g_min)
 
 
 @_kda_chunk_op.register_fake
-def _(q, k, v, g, beta, s0, start, chunk_doc, scale, keep_ends):
+def _(q, k, v, g, beta, s0, start, chunk_doc, scale, keep_ends, g_min):
     B, H, NC, C, K = q.shape
     V = v.shape[-1]
     ends = q.new_empty(NC + 1, H, K, V) if keep_ends else q.new_empty(0)
     return (v.new_empty(B, H, NC, C, V), ends, q.new_empty(B, H, K, V),
-            q.new_empty(B, H, NC, C, K + V), q.new_empty(B, H, NC, K, V),
+            q.new_empty(B, H, NC, C, K), q.new_empty(B, H, NC, C, C), q.new_empty(B, H, NC, K, V),
             q.new_empty(B, H, NC, C, V), q.new_empty(B, H, NC, C, C),
             q.new_empty(B, H, NC, C, C))
 
@@ -341,37 +408,37 @@ def _(q, k, v, g, beta, s0, start, chunk_doc, scale, keep_ends):
 @torch.library.custom_op("k3::kda_chunk_bwd", mutates_args=())
 def _kda_chunk_bwd_op(do: Tensor, d_ends: Tensor | None, dS_out: Tensor | None, q: Tensor,
                       k: Tensor, v: Tensor, g: Tensor, beta: Tensor, s0: Tensor | None,
-                      start: Tensor | None, chunk_doc: Tensor | None, WU: Tensor,
-                      S_in: Tensor, V_new: Tensor, S_kk: Tensor, A_qk: Tensor, scale: float,
-                      keep_ends: bool
+                      start: Tensor | None, chunk_doc: Tensor | None, W: Tensor,
+                      AinvT: Tensor, S_in: Tensor, V_new: Tensor, S_kk: Tensor, A_qk: Tensor,
+                      scale: float, keep_ends: bool, g_min: float | None
                       ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``chunk_core`` backward: (dq, dk, dv, dg, dbeta, ds0 or [0])."""
-    return _chunk_bwd_impl(do, d_ends, dS_out, q, k, v, g, beta, s0, start, chunk_doc, WU,
-                           S_in, V_new, S_kk, A_qk, scale, keep_ends)
+    return _chunk_bwd_impl(do, d_ends, dS_out, q, k, v, g, beta, s0, start, chunk_doc, W,
+                           AinvT, S_in, V_new, S_kk, A_qk, scale, keep_ends, g_min)
 
 
 @_kda_chunk_bwd_op.register_fake
-def _(do, d_ends, dS_out, q, k, v, g, beta, s0, start, chunk_doc, WU, S_in, V_new, S_kk, A_qk,
-      scale, keep_ends):
+def _(do, d_ends, dS_out, q, k, v, g, beta, s0, start, chunk_doc, W, AinvT, S_in, V_new, S_kk,
+      A_qk, scale, keep_ends, g_min):
     ds0 = q.new_empty(0) if s0 is None else torch.empty_like(s0)
     return (*(torch.empty_like(x) for x in (q, k, v, g, beta)), ds0)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, g, beta, s0, start, chunk_doc, scale, keep_ends = inputs
+    q, k, v, g, beta, s0, start, chunk_doc, scale, keep_ends, g_min = inputs
     ctx.save_for_backward(q, k, v, g, beta, s0, start, chunk_doc, *output[3:])
-    ctx.opts = (scale, keep_ends)
+    ctx.opts = (scale, keep_ends, g_min)
     ctx.mark_non_differentiable(*output[3:])
 
 
 def _backward(ctx, do, d_ends, dS_out, *_residual_grads):
     q, k, v, g, beta, s0, start, chunk_doc, *residuals = ctx.saved_tensors
-    scale, keep_ends = ctx.opts
+    scale, keep_ends, g_min = ctx.opts
     if do is None:
-        do = torch.zeros_like(residuals[2])  # V_new's shape is o's
+        do = torch.zeros_like(residuals[3])  # V_new's shape is o's
     grads = _kda_chunk_bwd_op(do, d_ends if keep_ends else None, dS_out, q, k, v, g, beta, s0,
-                              start, chunk_doc, *residuals, scale, keep_ends)
-    return (*grads[:5], None if s0 is None else grads[5], None, None, None, None)
+                              start, chunk_doc, *residuals, scale, keep_ends, g_min)
+    return (*grads[:5], None if s0 is None else grads[5], None, None, None, None, None)
 
 
 _kda_chunk_op.register_autograd(_backward, setup_context=_setup_context)
@@ -400,7 +467,8 @@ def _(do_shape, d_ends_shape, dS_shape, q_shape, k_shape, v_shape, *args, out_sh
 
 def chunk_core(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, s0: Tensor | None,
                scale: float, start: Tensor | None = None, chunk_doc: Tensor | None = None,
-               keep_ends: bool = False) -> tuple[Tensor, Tensor | None, Tensor]:
+               keep_ends: bool = False, g_min: float | None = None
+               ) -> tuple[Tensor, Tensor | None, Tensor]:
     """Chunked KDA on the chunk layout: q, k, g [B, H, NC, C, K], v [B, H, NC, C, V],
     beta [B, H, NC, C, 1], one float dtype; padding tokens are all zeros (exact no-ops).
 
@@ -408,7 +476,11 @@ def chunk_core(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, s0: Ten
     where a document begins, chunk_doc [NC] long, its document, B == 1): the state entering such
     a chunk is s0[chunk_doc] (zeros without s0). Returns (o [B, H, NC, C, V], ends: with
     keep_ends, the states before each chunk's reset and after the last chunk [NC+1, H, K, V],
-    else None; S the state after the last chunk [B, H, K, V])."""
+    else None; S the state after the last chunk [B, H, K, V]). ``g_min``: a lower bound of
+    every g (K3's bounded gate; ``diag_block``), or None for any decay; a static choice, the
+    result is the same to rounding."""
     xs = [x.contiguous() for x in (q, k, v, g, beta)]
-    o, ends, S, *_ = _kda_chunk_op(*xs, s0, start, chunk_doc, float(scale), bool(keep_ends))
+    g_min = None if g_min is None else float(g_min)
+    o, ends, S, *_ = _kda_chunk_op(*xs, s0, start, chunk_doc, float(scale), bool(keep_ends),
+                                   g_min)
     return o, (ends if keep_ends else None), S

@@ -288,8 +288,82 @@ def test_intra_scores_backward_matches_direct_formula(C: int) -> None:
         assert max_err(mine, want) <= 1e-10, name
 
 
+def test_diag_block_is_static_and_bounded() -> None:
+    """The bounded gate's diagonal block: largest power of two with |g_min| S <= log(max) / 2."""
+    f32, f64 = torch.float32, F64
+    assert kda_chunk.diag_block(None, 64, f32) == 1
+    assert kda_chunk.diag_block(-5.0, 64, f32) == 8  # 40 <= 44.4 < 80
+    assert kda_chunk.diag_block(-5.0, 4, f32) == 4
+    assert kda_chunk.diag_block(-5.0, 64, f64) == 64  # 320 <= 354.9
+    assert kda_chunk.diag_block(-20.0, 64, f64) == 16
+    assert kda_chunk.diag_block(-50.0, 64, f32) == 1
+
+
+BOUNDED_CASES = {"fp32_C64": (64, torch.float32, -5.0), "fp32_C20": (20, torch.float32, -5.0),
+                 "fp64_C64": (64, F64, -20.0), "fp64_C16": (16, F64, -5.0),
+                 "fp32_C3": (3, torch.float32, -5.0)}
+
+
+@pytest.mark.parametrize("case", list(BOUNDED_CASES))
+def test_intra_scores_bounded_gate_matches_direct_formula(case: str) -> None:
+    """With g_min (larger diagonal blocks, ``diag_block``) the scores and their backward equal
+    the direct masked formula in float64 (autograd for the backward), g spanning [g_min, 0]
+    with a quarter of the tokens exactly at the bound (the largest factors)."""
+    C, dtype, g_min = BOUNDED_CASES[case]
+    gen = torch.Generator().manual_seed(11)
+    q, k = (F.normalize(torch.randn(1, 2, 3, C, 8, generator=gen, dtype=F64), dim=-1)
+            for _ in range(2))
+    g = g_min * torch.rand(1, 2, 3, C, 8, generator=gen, dtype=F64)
+    g = torch.where(torch.rand(g.shape, generator=gen, dtype=F64) < 0.25, g_min, g)
+    w_kk, w_qk = (torch.randn(1, 2, 3, C, C, generator=gen, dtype=F64) for _ in range(2))
+    leaves = [x.clone().requires_grad_() for x in (q, k, g.cumsum(-2))]
+    ql, kl, Gl = leaves
+    causal = torch.ones(C, C, dtype=torch.bool).tril()
+    decay = torch.where(causal.unsqueeze(-1), Gl.unsqueeze(-2) - Gl.unsqueeze(-3), -torch.inf).exp()
+    want = [torch.einsum("bhnrk,bhnrik,bhnik->bhnri", x, decay, kl) for x in (kl, ql)]
+    ((want[0] * w_kk.tril()).sum() + (want[1] * w_qk.tril()).sum()).backward()
+    args = [x.detach().to(dtype) for x in leaves]
+    got = kda_chunk.intra_scores(*args, g_min=g_min)
+    got_bwd = kda_chunk.intra_scores_bwd(*args, w_kk.to(dtype), w_qk.to(dtype), g_min=g_min)
+    assert kda_chunk.diag_block(g_min, 1 << (C - 1).bit_length(), dtype) > 1
+    tol, gtol = (1e-12, 1e-10) if dtype == F64 else (1e-5, 1e-4)  # fp32: G rounds to 1e-5
+    for mine, ref in zip(got, want):
+        assert mine.shape == ref.shape and max_err(mine, ref.detach()) <= tol
+    for name, mine, ref in zip("qkG", got_bwd, (x.grad for x in leaves)):
+        assert ref.abs().max() > 1e-3, name
+        assert torch.isfinite(mine).all() and max_err(mine, ref) <= gtol, name
+
+
 @pytest.mark.parametrize("packed", [False, True])
-def test_kda_chunk_custom_op_contract(packed: bool) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_bounded_gate_chunk_matches_recurrence(packed: bool, dtype: torch.dtype) -> None:
+    """The chunked reference with ``g_lower_bound`` (K3's -5) vs the token recurrence: outputs,
+    final states and every input's gradient (dense and document-packed)."""
+    lengths = [37, 64, 27]
+    T = sum(lengths)
+    base = make_inputs(B=1 if packed else 2, T=T, H=2, K=16, V=8, seed=12,
+                       n_states=len(lengths) if packed else None)
+    kw = {"cu_seqlens": torch.tensor([0, 37, 101, 128])} if packed else {}
+    gen = torch.Generator().manual_seed(13)
+    w_o = torch.randn(*base["v"].shape, generator=gen, dtype=F64)
+    w_s = torch.randn(*base["initial_state"].shape, generator=gen, dtype=F64)
+    res = []
+    for fn, extra, dt in ((recurrent_kda, {}, F64),
+                          (chunk_kda_reference, {"chunk_size": 64, "g_lower_bound": -5.0}, dtype)):
+        inp = {n: x.detach().to(dt).requires_grad_() for n, x in base.items()}
+        o, s = run(fn, inp, **kw, **extra)
+        ((o.double() * w_o).sum() + (s.double() * w_s).sum()).backward()
+        res.append((o, s, {n: x.grad for n, x in inp.items()}))
+    tol = 1e-10 if dtype == F64 else 1e-4
+    assert max_err(res[1][0], res[0][0]) <= tol and max_err(res[1][1], res[0][1]) <= tol
+    for name in base:
+        assert res[0][2][name].abs().max() > 1e-3, name
+        assert max_err(res[1][2][name], res[0][2][name]) <= 10 * tol, name
+
+
+@pytest.mark.parametrize("g_min", [None, -1.0])
+@pytest.mark.parametrize("packed", [False, True])
+def test_kda_chunk_custom_op_contract(packed: bool, g_min: float | None) -> None:
     """torch.library.opcheck: schema, fake implementation, autograd registration, AOT dispatch."""
     gen = torch.Generator().manual_seed(1)
     B, H, NC, C, K, V = (1 if packed else 2), 2, 3, 4, 4, 3
@@ -303,12 +377,14 @@ def test_kda_chunk_custom_op_contract(packed: bool) -> None:
     chunk_doc = torch.tensor([0, 0, 1]) if packed else None
     args = [x.requires_grad_() for x in (q, k, v, g, beta, s0)]
     torch.library.opcheck(torch.ops.k3.kda_chunk.default,
-                          (*args, start, chunk_doc, 0.5, packed))
-    outs = torch.ops.k3.kda_chunk(*(x.detach() for x in args), start, chunk_doc, 0.5, packed)
+                          (*args, start, chunk_doc, 0.5, packed, g_min))
+    outs = torch.ops.k3.kda_chunk(*(x.detach() for x in args), start, chunk_doc, 0.5, packed,
+                                  g_min)
     d_ends = torch.randn_like(outs[1]) if packed else None
     torch.library.opcheck(torch.ops.k3.kda_chunk_bwd.default,
                           (torch.randn_like(outs[0]), d_ends, torch.randn_like(outs[2]),
-                           *(x.detach() for x in args), start, chunk_doc, *outs[3:], 0.5, packed))
+                           *(x.detach() for x in args), start, chunk_doc, *outs[3:], 0.5, packed,
+                           g_min))
 
 
 def test_kda_chunk_flops_match_the_trainers_count() -> None:
