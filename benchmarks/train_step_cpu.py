@@ -12,7 +12,7 @@ same process at the same thread count: the best of `torch.mm` over the model's o
 (tokens x hidden x 1408, tokens x hidden x hidden, tokens x 256 x 256 and tokens x hidden x
 vocab), fp32. MFU = model FLOPs of the batch (`train.flops.step_flops`, what the trainer
 reports) / step time / that GEMM rate. `compiled` wraps every decoder layer in
-`torch.compile` (inductor, as `parallel.compile=true` does; the first step compiles: 35 s cold
+`torch.compile` (inductor, as `parallel.compile=true` does; the first step compiles: ~90 s cold
 on 2 cores, the KDA reference's chunk math being one opaque custom op; opt-in).
 Threads default to all cores (`os.cpu_count()`). Host memory is set up as the trainer sets it
 on CPU (`train.host_memory.keep_freed_memory`: freed activations stay in the process, no page

@@ -14,8 +14,8 @@ dtype.
   memory passes, are the cost, and `torch.tanh` costs ~5x a sigmoid (measured: 1.3-1.8 ms
   against 0.27 ms per 1M fp32 elements, 2 threads), so every tanh is 2 sigmoid(2x) - 1 (an
   absolute error of a few fp32 ulps of 1, none relative to the bound b1*b2) and the forward
-  saves the two derivative factors, which makes the backward two multiplies (fwd+bwd of a
-  [4096, 256] pair: 6.2 ms against the reference's 14.8). Otherwise (float64, `torch`) it is
+  saves the two derivative factors, which makes the backward two multiplies (fwd+bwd at cpu_bench's
+  widths: 1.7x faster than the reference, `benchmarks/fused_ops_cpu.py`). Otherwise (float64, `torch`) it is
   the reference. `K3_SITU_BACKEND=auto|torch|triton` overrides.
 * `situ_glu_reference`: the formula as autograd-differentiated PyTorch ops (the oracle).
 """
