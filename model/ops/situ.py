@@ -10,24 +10,18 @@ dtype.
   read of (gate, up) forward; the backward saves only the inputs and recomputes the three
   transcendentals in one pass: d gate = dout * softcap(u) * (sigmoid(g) (1 - tanh²(g/b1)) +
   b1 tanh(g/b1) sigmoid(g) (1 - sigmoid(g))), d up = dout * SiTU(g) * (1 - tanh²(u/b2)).
-  On a CPU in 16/32-bit floats (`auto`) it is `_SituCPU`: there the transcendentals, not the
-  memory passes, are the cost, and `torch.tanh` costs ~5x a sigmoid (measured: 1.3-1.8 ms
-  against 0.27 ms per 1M fp32 elements, 2 threads), so every tanh is 2 sigmoid(2x) - 1 (an
-  absolute error of a few fp32 ulps of 1, none relative to the bound b1*b2) and the forward
-  saves the two derivative factors, which makes the backward two multiplies (fwd+bwd at cpu_bench's
-  widths: 1.7x faster than the reference, `benchmarks/fused_ops_cpu.py`). Otherwise (float64, `torch`) it is
-  the reference. `K3_SITU_BACKEND=auto|torch|triton` overrides.
+  Otherwise (CPU, float64) it is the reference: on a CPU the transcendentals, not the memory
+  passes, are the cost, so autograd's saved intermediates beat a recomputing backward, and
+  torch.compile fuses the chain itself. `K3_SITU_BACKEND=auto|torch|triton` overrides.
 * `situ_glu_reference`: the formula as autograd-differentiated PyTorch ops (the oracle).
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
-from model.ops.backends import compile_constant, compute_dtype, triton_chosen, use_fused_kernel
+from model.ops.backends import compute_dtype, triton_chosen, use_fused_kernel
 
 SITU_BETA = 4.0
 SITU_LINEAR_BETA = 25.0
@@ -51,45 +45,10 @@ def situ_glu(gate: Tensor, up: Tensor, beta: float = SITU_BETA,
     if gate.dtype != up.dtype:
         raise ValueError(f"gate ({gate.dtype}) and up ({up.dtype}) must share a dtype")
     if not use_fused_kernel(gate, _ENV):
-        if gate.device.type == "cpu" and gate.dtype != torch.float64 and _cpu_auto():
-            return _SituCPU.apply(gate, up, float(beta), float(linear_beta))
         return situ_glu_reference(gate, up, beta, linear_beta)
     if gate.shape != up.shape:
         gate, up = torch.broadcast_tensors(gate, up)
     return _situ_op(gate.contiguous(), up.contiguous(), float(beta), float(linear_beta))
-
-
-@compile_constant
-def _cpu_auto() -> bool:
-    """`K3_SITU_BACKEND` is `auto` (constant for a compiled graph)."""
-    return os.environ.get(_ENV, "auto") == "auto"
-
-
-def _tanh_via_sigmoid(x: Tensor) -> Tensor:
-    """tanh x = 2 sigmoid(2x) - 1 (one CPU sigmoid pass is ~5x cheaper than torch.tanh)."""
-    return torch.sigmoid(x * 2.0).mul_(2.0).sub_(1.0)
-
-
-class _SituCPU(torch.autograd.Function):
-    """SiTU-GLU for CPU tensors: sigmoid-based tanh, the derivative factors saved forward."""
-
-    @staticmethod
-    def forward(ctx, gate: Tensor, up: Tensor, b1: float, b2: float) -> Tensor:
-        g, u = gate.to(compute_dtype(gate)), up.to(compute_dtype(up))
-        sg = torch.sigmoid(g)
-        tg, tu = _tanh_via_sigmoid(g / b1), _tanh_via_sigmoid(u / b2)
-        situ = (tg * sg).mul_(b1)
-        # d out/d gate = b2 tu (sg (1 - tg^2) + b1 tg sg (1 - sg)); d out/d up = SiTU (1 - tu^2)
-        d_gate = (1.0 - tg * tg).mul_(sg).add_(situ * (1.0 - sg)).mul_(tu).mul_(b2)
-        d_up = (1.0 - tu * tu).mul_(situ)
-        ctx.save_for_backward(d_gate, d_up)
-        return (situ * tu).mul_(b2).to(gate.dtype)
-
-    @staticmethod
-    def backward(ctx, dout: Tensor):
-        d_gate, d_up = ctx.saved_tensors
-        do = dout.to(d_gate.dtype)
-        return (do * d_gate).to(dout.dtype), (do * d_up).to(dout.dtype), None, None
 
 
 def _bwd_torch(dout: Tensor, gate: Tensor, up: Tensor, b1: float, b2: float
