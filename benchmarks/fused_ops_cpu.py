@@ -6,9 +6,10 @@ What: forward + backward of each op the model calls (`model.ops`: `attnres_mix`,
 `short_conv_silu`, `rms_norm`) and of its `*_reference` on the `cpu_bench` widths (2 x 1024
 tokens, hidden 512, 3 snapshots + the prefix, SiTU over 1408 columns, 4-tap conv with 4 documents
 per row), fp32, best of `--repeats` after a warm-up, in CPU seconds of this process
-(`time.process_time`, steadier than wall time on a shared machine). Off CUDA only the AttnRes
-mix has a PyTorch implementation of its own; the others are their references there (ratio ~1),
-and their Triton kernels are CUDA's (benchmarks/gpu/j_fused.py times those).
+(`time.process_time`, steadier than wall time on a shared machine). Off CUDA the AttnRes mix
+has a PyTorch implementation of its own and the short conv runs oneDNN's depthwise convolution
+(`model.ops.short_conv._conv_fwd_cpu`); SiTU-GLU and the norms are their references there
+(ratio ~1), and their Triton kernels are CUDA's (benchmarks/gpu/j_fused.py times those).
 """
 
 from __future__ import annotations

@@ -96,10 +96,11 @@ def test_layer_is_one_graph_cpu_backends(setup, name):
     ops = _k3_ops(explained.graphs)
     # each AttnRes mix (layer 0 has only the MLP-side one) is one node; SiTU-GLU is the
     # reference's elementwise chain on CPU (inductor fuses it), our kernel on CUDA; the KDA
-    # reference's chunk math is one node (its loops are not unrolled into the graph)
+    # reference's chunk math is one node (its loops are not unrolled into the graph), and so is
+    # each of the three short convs (oneDNN's depthwise convolution on CPU)
     glue = {"k3.attnres_mix.default": 1 if LAYERS[name] == 0 else 2}
     if name.startswith("kda"):
-        glue["k3.kda_chunk.default"] = 1
+        glue.update({"k3.kda_chunk.default": 1, "k3.short_conv.default": 3})
     if name.endswith("moe"):  # three expert GEMMs, the router statistics: one node each
         glue.update({"k3.grouped_mm.default": 3, "k3.record_router_stats.default": 1})
     assert ops == glue, ops

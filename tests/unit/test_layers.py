@@ -42,6 +42,43 @@ def test_short_conv_matches_conv1d():
     torch.testing.assert_close(conv(x, pos), ref)
 
 
+def test_short_conv_cpu_path_matches_token_loop_with_short_documents():
+    """The CPU path (oneDNN convolution, then the cross-document taps removed row by row) in
+    fp32 and bf16 against a float64 loop over tokens and taps: values and both gradients, with
+    documents of 1 and 2 tokens (taps of neighbouring starts reaching the same source rows)."""
+    from model.ops.short_conv import _use_cpu_conv, short_conv_silu
+
+    assert _use_cpu_conv(torch.device("cpu"), torch.float32)
+    g = torch.Generator().manual_seed(3)
+    lengths = [[1, 2, 1, 5, 3], [7, 1, 4]]
+    pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths])
+    B, T, C, K = 2, 12, 6, 4
+    x64 = torch.randn(B, T, C, dtype=torch.float64, generator=g)
+    w64 = torch.randn(C, K, dtype=torch.float64, generator=g)
+    dy = torch.randn(B, T, C, dtype=torch.float64, generator=g)
+
+    def oracle(x, w):
+        y = torch.zeros_like(x)
+        for b in range(B):
+            for t in range(T):
+                for s in range(min(K, int(pos[b, t]) + 1)):
+                    y[b, t] = y[b, t] + w[:, K - 1 - s] * x[b, t - s]
+        return F.silu(y)
+
+    xr, wr = x64.clone().requires_grad_(), w64.clone().requires_grad_()
+    ref = oracle(xr, wr)
+    dx_ref, dw_ref = torch.autograd.grad(ref, (xr, wr), dy)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
+        x = x64.to(dtype).requires_grad_()
+        w = w64.float().requires_grad_()
+        y = short_conv_silu(x, w, pos)
+        dx, dw = torch.autograd.grad(y, (x, w), dy.to(dtype))
+        scale = {"y": ref.abs().max(), "dx": dx_ref.abs().max(), "dw": dw_ref.abs().max()}
+        for name, got, want in (("y", y, ref), ("dx", dx, dx_ref), ("dw", dw, dw_ref)):
+            err = ((got.double() - want).abs().max() / scale[name]).item()
+            assert err < tol, (dtype, name, err)
+
+
 def test_gated_mla_matches_direct_formula():
     model = tiny_model().double()
     mla = model.layers["3"].self_attn
