@@ -5,7 +5,9 @@ one JSON line.
 
 What: `train.optim.build_optimizer` for both configs over the preset's parameters (fp32) with
 random gradients, best of `--repeats` steps after one warm-up step (state allocation), in CPU
-seconds of this process (`time.process_time`). Also reported: parameters and matrices on the
+seconds of this process (`time.process_time`); `adamw_unfused_loop_step_cpu_s` is torch's
+per-parameter AdamW loop (`foreach=False`, what `optim=adamw` ran on a CPU before it took the
+fused implementation there). Also reported: parameters and matrices on the
 Muon side, its Newton-Schulz blocks and their shapes (blocks of one shape run as one batched
 iteration), and the Newton-Schulz FLOPs per step (5 iterations of X X^T, (bA + cA^2) and B X on
 each [r, c] block, r <= c: 5 (4 r^2 c + 2 r^3)).
@@ -16,18 +18,24 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from fused_ops_cpu import best_cpu_s  # noqa: E402  (benchmarks/ is this script's sys.path[0])
 
+from benchmarks.timing import best_seconds  # noqa: E402
 from model.build import build_model  # noqa: E402
 from train.config import OptimConfig  # noqa: E402
 from train.muon import muon_blocks, ns_flops  # noqa: E402
 from train.optim import build_optimizer  # noqa: E402
+
+
+def best_cpu_s(fn, repeats: int) -> float:
+    """CPU seconds of the fastest of `repeats` calls after a warm-up."""
+    return best_seconds(fn, repeats, clock=time.process_time)
 
 
 def main() -> None:
@@ -45,6 +53,9 @@ def main() -> None:
     for name in ("adamw", "muon"):
         opt = build_optimizer(model, OptimConfig(name=name))
         out[f"{name}_step_cpu_s"] = best_cpu_s(opt.step, args.repeats)
+    # what `optim=adamw` ran on a CPU before it took torch's fused AdamW there
+    loop = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+    out["adamw_unfused_loop_step_cpu_s"] = best_cpu_s(loop.step, args.repeats)
     blocks = muon_blocks(model)
     params = dict(model.named_parameters())
     shapes: Counter = Counter()

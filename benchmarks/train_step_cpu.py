@@ -7,11 +7,16 @@ own fp32 GEMM rate; prints one JSON line.
 What: the `cpu_bench` preset (configs/model/cpu_bench.yaml: hidden 512, KDA + gated MLA,
 AttnRes, latent MoE with shared experts; every component) trains in fp32 on packed documents
 (`--batch` rows of `--seq` tokens, `--docs` uneven documents per row): forward, backward and an
-AdamW step, best of `--steps` timed steps after one warm-up. The GEMM rate is measured in the
-same process at the same thread count: the best of `torch.mm` over the model's own GEMM shapes
+AdamW step (`train.optim.build_optimizer`, `optim=adamw`: torch's fused AdamW), best of
+`--steps` timed steps after one warm-up. The GEMM rate is measured in the same process at the
+same thread count: the best of `torch.mm` over the model's own GEMM shapes
 (tokens x hidden x 1408, tokens x hidden x hidden, tokens x 256 x 256 and tokens x hidden x
 vocab), fp32. MFU = model FLOPs of the batch (`train.flops.step_flops`, what the trainer
-reports) / step time / that GEMM rate. `compiled` wraps every decoder layer in
+reports) / step time / that GEMM rate (`mfu_vs_measured_gemm`: the best step against the
+best GEMM rate). The GEMM rate of a shared machine moves by tens of percent from minute to minute,
+so each timed step is also paired with a short probe right after it (`gemm_flops_after_each`,
+the same shapes, best of 2): `mfu_paired_median` is the median over steps of that step's FLOP/s
+over its own probe, the figure to compare from day to day. `compiled` wraps every decoder layer in
 `torch.compile` (inductor, as `parallel.compile=true` does; the first step compiles: ~90 s cold
 on 2 cores, the KDA reference's chunk math being one opaque custom op; opt-in).
 Threads default to all cores (`os.cpu_count()`). Host memory is set up as the trainer sets it
@@ -42,8 +47,10 @@ from model.build import build_model  # noqa: E402
 from model.config import load_model_config  # noqa: E402
 from model.packing import Packing  # noqa: E402
 from parallel.activation_checkpoint import apply_compile  # noqa: E402
+from train.config import OptimConfig  # noqa: E402
 from train.flops import step_flops  # noqa: E402
 from train.host_memory import keep_freed_memory  # noqa: E402
+from train.optim import build_optimizer  # noqa: E402
 
 
 def gemm_rate(tokens: int, shapes: list[tuple[int, int]], repeats: int = 5) -> float:
@@ -81,7 +88,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
     model.train()
     if mode == "compiled":
         apply_compile(model.decoder_layers())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = build_optimizer(model, OptimConfig(name="adamw"))  # what `optim=adamw` trains with
     g = torch.Generator().manual_seed(0)
     B, T = args.batch, args.seq
     ids = torch.randint(0, 256, (B, T), generator=g)
@@ -97,17 +104,22 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     step()  # warm-up (compiles in `compiled`)
     first = time.perf_counter() - t0
-    times, faults = [], []
+    times, faults, rates = [], [], []
     for _ in range(args.steps):
         f0, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+        rates.append(gemm_rate(B * T, args.gemm_shapes, repeats=2))  # right after this step
     best = min(times)
     flops = step_flops(cfg, lengths)
+    paired = sorted(flops / t / r for t, r in zip(times, rates))
     return {"step_s": best, "first_step_s": first, "tokens_per_sec": B * T / best,
             "minor_page_faults_per_step": min(faults),
-            "model_flops": flops, "achieved_flops": flops / best}
+            "model_flops": flops, "achieved_flops": flops / best,
+            "mfu_paired_median": paired[len(paired) // 2],
+            "step_s_each": [round(t, 3) for t in times],
+            "gemm_flops_after_each": [round(r / 1e9, 1) for r in rates]}
 
 
 def components(args: argparse.Namespace) -> dict:
@@ -184,10 +196,11 @@ def main() -> None:
     keep_freed_memory()
     cfg = load_model_config("cpu_bench")
     tokens = args.batch * args.seq
-    rate = gemm_rate(tokens, [(cfg.hidden_size, cfg.intermediate_size),
-                              (cfg.hidden_size, cfg.hidden_size),
-                              (cfg.routed_expert_hidden_size, cfg.moe_intermediate_size),
-                              (cfg.hidden_size, cfg.vocab_size)])
+    args.gemm_shapes = [(cfg.hidden_size, cfg.intermediate_size),
+                        (cfg.hidden_size, cfg.hidden_size),
+                        (cfg.routed_expert_hidden_size, cfg.moe_intermediate_size),
+                        (cfg.hidden_size, cfg.vocab_size)]
+    rate = gemm_rate(tokens, args.gemm_shapes)
     out = {"bench": "train_step_cpu", "preset": "cpu_bench", "mtp": args.mtp,
            "threads": args.threads,
            "batch": args.batch, "seq": args.seq, "docs_per_row": args.docs,
