@@ -124,13 +124,11 @@ def test_host_syncs_per_step(runs):
     """Inside the model's forward and backward nothing reads tensor data on the host. Outside
     it, per step: the loader's boundaries validated on the host (one `tolist` per micro-batch),
     the global token counts with the model FLOPs (one `tolist`), the loss sums (one `tolist`:
-    the next-token and MTP sums together), the gradient norm (one `float`), and
-    PyTorch AdamW's per-parameter step counters, which its default (non-fused) implementation
-    keeps as CPU tensors (host reads on CUDA too, never a device sync)."""
-    from tests.helpers.tiny import tiny_model
-
-    n_params = sum(p.requires_grad for p in tiny_model().parameters())
+    the next-token and MTP sums together) and the gradient norm (one `float`). The optimizer
+    reads nothing: torch's fused AdamW (`train.optim.build_optimizer`, CPU and CUDA) keeps its
+    step counters as tensors it updates itself (the default per-parameter implementation read
+    each one with `item`)."""
     for m in metrics(runs["C"]):
         assert m["host_syncs_model"] == 0, m["host_syncs_by_op"]
-        assert m["host_syncs_by_op"] == ["Tensor.__float__=1", f"Tensor.item={n_params}",
-                                         "Tensor.tolist=6"], m["host_syncs_by_op"]
+        assert m["host_syncs_by_op"] == ["Tensor.__float__=1", "Tensor.tolist=6"], \
+            m["host_syncs_by_op"]
