@@ -13,7 +13,8 @@ same thread count: the best of `torch.mm` over the model's own GEMM shapes
 (tokens x hidden x 1408, tokens x hidden x hidden, tokens x 256 x 256 and tokens x hidden x
 vocab), fp32. MFU = model FLOPs of the batch (`train.flops.step_flops`, what the trainer
 reports) / step time / that GEMM rate (`mfu_vs_measured_gemm`: the best step against the
-best GEMM rate). The GEMM rate of a shared machine moves by tens of percent from minute to minute,
+best GEMM rate of the run, the up-front probe's or any later one's; `gemm_fp32_flops` is the
+up-front probe alone). The GEMM rate of a shared machine moves by tens of percent from minute to minute,
 so each timed step is also paired with a short probe right after it (`gemm_flops_after_each`,
 the same shapes, best of 2): `mfu_paired_median` is the median over steps of that step's FLOP/s
 over its own probe, the figure to compare from day to day. `compiled` wraps every decoder layer in
@@ -211,7 +212,8 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001 - a failed mode is a result here
             out[mode] = {"error": " ".join(f"{type(e).__name__}: {e}".split())[:500]}
             continue
-        r["mfu_vs_measured_gemm"] = r["achieved_flops"] / rate
+        best_rate = max(rate, *(g * 1e9 for g in r.get("gemm_flops_after_each", [])))
+        r["mfu_vs_measured_gemm"] = r["achieved_flops"] / best_rate
         out[mode] = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}
     if args.components:
         out["components"] = components(args)
