@@ -14,12 +14,13 @@ same thread count: the best of `torch.mm` over the model's own GEMM shapes
 vocab), fp32. MFU = model FLOPs of the batch (`train.flops.step_flops`, what the trainer
 reports) / step time / that GEMM rate (`mfu_vs_measured_gemm`: the best step against the
 best GEMM rate of the run, the up-front probe's or any later one's; `gemm_fp32_flops` is the
-up-front probe alone). The GEMM rate of a shared machine moves by tens of percent from minute to minute,
-so each timed step is also paired with a short probe right after it (`gemm_flops_after_each`,
-the same shapes, best of 2): `mfu_paired_median` is the median over steps of that step's FLOP/s
-over its own probe, the figure to compare from day to day. `compiled` wraps every decoder layer in
-`torch.compile` (inductor, as `parallel.compile=true` does; the first step compiles: ~90 s cold
-on 2 cores, the KDA reference's chunk math being one opaque custom op; opt-in).
+up-front probe alone). The GEMM rate of a shared machine moves by tens of percent from minute
+to minute, so each timed step is also paired with a short probe right after it
+(`gemm_flops_after_each`, the same shapes, best of 2): `mfu_paired_median` is the median over
+steps of that step's FLOP/s over its own probe, the figure to compare from day to day.
+`compiled` wraps every decoder layer in `torch.compile` (inductor, as `parallel.compile=true`
+does; the first step compiles: ~90 s cold on 2 cores, the KDA reference's chunk math being one
+opaque custom op; opt-in).
 Threads default to all cores (`os.cpu_count()`). Host memory is set up as the trainer sets it
 on CPU (`train.host_memory.keep_freed_memory`: freed activations stay in the process, no page
 faults every step); `minor_page_faults_per_step` reports what is left.
@@ -68,6 +69,14 @@ def gemm_rate(tokens: int, shapes: list[tuple[int, int]], repeats: int = 5) -> f
     return best
 
 
+def gemm_shapes(cfg) -> list[tuple[int, int]]:
+    """(k, n) of the model's own GEMMs: hidden x 1408, hidden x hidden, 256 x 256, hidden x
+    vocab."""
+    return [(cfg.hidden_size, cfg.intermediate_size), (cfg.hidden_size, cfg.hidden_size),
+            (cfg.routed_expert_hidden_size, cfg.moe_intermediate_size),
+            (cfg.hidden_size, cfg.vocab_size)]
+
+
 def doc_lengths(seq: int, docs: int) -> list[int]:
     """`docs` uneven documents filling a row of `seq` tokens (lengths ~ 1, 2, 3, ... parts)."""
     parts = list(range(1, docs + 1))
@@ -111,7 +120,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
         step()
         times.append(time.perf_counter() - t0)
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
-        rates.append(gemm_rate(B * T, args.gemm_shapes, repeats=2))  # right after this step
+        rates.append(gemm_rate(B * T, gemm_shapes(cfg), repeats=2))  # right after this step
     best = min(times)
     flops = step_flops(cfg, lengths)
     paired = sorted(flops / t / r for t, r in zip(times, rates))
@@ -197,11 +206,7 @@ def main() -> None:
     keep_freed_memory()
     cfg = load_model_config("cpu_bench")
     tokens = args.batch * args.seq
-    args.gemm_shapes = [(cfg.hidden_size, cfg.intermediate_size),
-                        (cfg.hidden_size, cfg.hidden_size),
-                        (cfg.routed_expert_hidden_size, cfg.moe_intermediate_size),
-                        (cfg.hidden_size, cfg.vocab_size)]
-    rate = gemm_rate(tokens, args.gemm_shapes)
+    rate = gemm_rate(tokens, gemm_shapes(cfg))
     out = {"bench": "train_step_cpu", "preset": "cpu_bench", "mtp": args.mtp,
            "threads": args.threads,
            "batch": args.batch, "seq": args.seq, "docs_per_row": args.docs,

@@ -30,6 +30,9 @@ HOST_SYNC_OPS = {
                                 "CUDA bf16 uses k3::grouped_mm",
     "mx_linear._padded_group_wgrad (float64)": "reference path of the emulated MXFP8 weight "
                                                "gradient in float64 only (TokenGroups.batched)",
+    "short_conv._cross_doc_taps": "CPU path of k3::short_conv only (one nonzero finds the "
+                                  "first K - 1 tokens of each document); CUDA runs our Triton "
+                                  "kernel, fake-tensor traces the op's fake implementation",
 }
 
 __all__ = [

@@ -30,8 +30,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from model.ops.backends import (compile_constant, compute_dtype, cuda_backends_forced,
-                                triton_chosen, use_fused_kernel)
+from model.ops.backends import (
+    compile_constant,
+    compute_dtype,
+    cuda_backends_forced,
+    triton_chosen,
+    use_fused_kernel,
+)
 
 _ENV = "K3_CONV_BACKEND"
 
@@ -78,7 +83,8 @@ def _cross_doc_taps(x: Tensor, weight: Tensor, pos_in_doc: Tensor
     """The taps an unmasked causal convolution adds across document starts: rows (b, t) of
     tokens with pos < K - 1 and, per tap s = 1..K-1, (source rows t - s clamped at 0, a [M, 1]
     weight: 1 where pos_t < s <= t, i.e. the tap reaches into an earlier document, else 0).
-    Host-side indexing: a CPU-only path inside the custom op (never traced)."""
+    The `nonzero` is a host read: CPU path of the custom op only (listed in
+    `model.ops.HOST_SYNC_OPS`; CUDA runs the Triton kernel, traces the fake implementation)."""
     K = weight.shape[-1]
     b, t = (pos_in_doc < K - 1).nonzero(as_tuple=True)
     p = pos_in_doc[b, t]
@@ -89,8 +95,8 @@ def _cross_doc_taps(x: Tensor, weight: Tensor, pos_in_doc: Tensor
 
 def _conv_pre_cpu(x: Tensor, weight: Tensor, pos_in_doc: Tensor
                   ) -> tuple[Tensor, Tensor, tuple]:
-    """(z [B, T, C] pre-activation, a strided view of the convolution's output, x4 the
-    [B, C, 1, T] channels-last view of x, the cross-document taps); compute dtype."""
+    """(z [B, T, C] pre-activation, a strided view of the convolution's output; x4, the
+    [B, C, 1, T] channels-last view of x; the cross-document taps), in the compute dtype."""
     T, C = x.shape[1:]
     K = weight.shape[-1]
     x4 = x.permute(0, 2, 1).unsqueeze(2)  # [B, C, 1, T], strides of channels_last: no copy
