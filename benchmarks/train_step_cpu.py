@@ -2,7 +2,7 @@
 own fp32 GEMM rate; prints one JSON line.
 
     python benchmarks/train_step_cpu.py [--threads N] [--steps 3] [--modes eager[,compiled]]
-        [--mtp] [--components]
+        [--mtp] [--components] [--gemm-ceiling]
 
 What: the `cpu_bench` preset (configs/model/cpu_bench.yaml: hidden 512, KDA + gated MLA,
 AttnRes, latent MoE with shared experts; every component) trains in fp32 on packed documents
@@ -28,12 +28,22 @@ faults every step); `minor_page_faults_per_step` reports what is left.
 (and of its chunked KDA op alone: forward, and forward+backward), one gated MLA, one latent MoE
 and the dense SiTU-GLU MLP on the step's hidden states (random, packed documents), each with
 its FLOPs (`torch.utils.flop_counter`, the op's own count) and achieved FLOP/s.
+`--gemm-ceiling` profiles one more eager step (torch.profiler, CPU) and splits its operator self
+time into dense products (BLAS: mm, bmm, addmm, baddbmm, the triangular solve, the grouped
+GEMM's per-group mm included; and the CPU flash-attention kernels) and everything else: the
+products' time is what the step would take if every other op were free, so
+`mfu_ceiling_without_non_gemm` = model FLOPs / that time / the run's best GEMM rate bounds what
+fusing or removing non-GEMM work alone can reach; `blas_rate_in_step` (the BLAS calls' FLOPs,
+from their shapes, over their time) says how fast the BLAS runs the model's actual shapes
+against the probe's large ones, `blas_flops_vs_model_flops` how much more it computes than the
+model count (the chunked KDA's UT transform, padding).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import sys
@@ -132,6 +142,73 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
             "gemm_flops_after_each": [round(r / 1e9, 1) for r in rates]}
 
 
+# dense products: BLAS (FLOPs from their shapes, `_blas_flops`) and the fused attention kernel
+BLAS_OPS = frozenset({"aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm",
+                      "aten::baddbmm_", "aten::linalg_solve_triangular"})
+ATTENTION_OPS = frozenset({"aten::_scaled_dot_product_flash_attention_for_cpu",
+                           "aten::_scaled_dot_product_flash_attention_for_cpu_backward"})
+
+
+def _blas_flops(name: str, shapes: list[list[int]]) -> float:
+    """FLOPs of one BLAS call from its input shapes (the profiler's record_shapes)."""
+    if name == "aten::linalg_solve_triangular":  # A [.., n, n], B [.., n, r]: n^2 r per batch
+        *batch, n, r = shapes[1]
+        return float(math.prod(batch) * n * n * r)
+    a, b = (shapes[0], shapes[1]) if name in ("aten::mm", "aten::bmm") else (shapes[1], shapes[2])
+    return 2.0 * math.prod(a) * b[-1]
+
+
+def profiled_blas_flops(events) -> float:
+    """FLOPs of the BLAS calls among profiler events (recorded with shapes)."""
+    return sum(_blas_flops(e.name, e.input_shapes) for e in events if e.name in BLAS_OPS)
+
+
+def gemm_ceiling(args: argparse.Namespace, best_rate: float) -> dict:
+    """One profiled eager step split into dense-product and other operator self time (see the
+    module docstring): times from a plain profile (recording shapes slows the small ops
+    several-fold), the products' FLOPs from a second, shape-recording one."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cfg = load_model_config("cpu_bench", num_nextn_predict_layers=int(args.mtp))
+    model = build_model(cfg, seed=0)
+    model.train()
+    opt = build_optimizer(model, OptimConfig(name="adamw"))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (args.batch, args.seq), generator=g)
+    labels = torch.roll(ids, -1, 1)
+    lengths, packing = packed_rows(args)
+
+    def step() -> None:
+        s, n = model(ids, packing, labels=labels)
+        (s / n).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    blas_us = attn_us = other_us = 0.0
+    for e in prof.key_averages():
+        if e.key in BLAS_OPS:
+            blas_us += e.self_cpu_time_total
+        elif e.key in ATTENTION_OPS:
+            attn_us += e.self_cpu_time_total
+        else:
+            other_us += e.self_cpu_time_total
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        step()
+    blas_flops = profiled_blas_flops(prof.events())
+    blas_s, attn_s, other_s = blas_us * 1e-6, attn_us * 1e-6, other_us * 1e-6
+    flops = step_flops(cfg, lengths)
+    return {"blas_s": round(blas_s, 3), "attention_kernel_s": round(attn_s, 3),
+            "other_s": round(other_s, 3),
+            "products_share_of_op_time": round((blas_s + attn_s) / (blas_s + attn_s + other_s), 3),
+            "blas_rate_in_step": round(blas_flops / blas_s / 1e9, 1),
+            "blas_flops_vs_model_flops": round(blas_flops / flops, 3),
+            "mfu_ceiling_without_non_gemm": round(flops / (blas_s + attn_s) / best_rate, 4)}
+
+
 def components(args: argparse.Namespace) -> dict:
     """Forward+backward seconds, FLOPs and FLOP/s of each kind of sub-layer (see docstring)."""
     from torch.utils.flop_counter import FlopCounterMode
@@ -201,6 +278,8 @@ def main() -> None:
     ap.add_argument("--mtp", action="store_true", help="with the MTP module (its FLOPs counted)")
     ap.add_argument("--components", action="store_true",
                     help="also time each kind of sub-layer, forward+backward")
+    ap.add_argument("--gemm-ceiling", action="store_true",
+                    help="also profile one eager step: GEMM vs other time, the MFU ceiling")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     keep_freed_memory()
@@ -211,17 +290,21 @@ def main() -> None:
            "threads": args.threads,
            "batch": args.batch, "seq": args.seq, "docs_per_row": args.docs,
            "gemm_fp32_flops": rate}
+    best_rate = rate
     for mode in args.modes.split(","):
         try:
             r = run_mode(mode, args)
         except Exception as e:  # noqa: BLE001 - a failed mode is a result here
             out[mode] = {"error": " ".join(f"{type(e).__name__}: {e}".split())[:500]}
             continue
-        best_rate = max(rate, *(g * 1e9 for g in r.get("gemm_flops_after_each", [])))
-        r["mfu_vs_measured_gemm"] = r["achieved_flops"] / best_rate
+        mode_rate = max(rate, *(g * 1e9 for g in r.get("gemm_flops_after_each", [])))
+        best_rate = max(best_rate, mode_rate)
+        r["mfu_vs_measured_gemm"] = r["achieved_flops"] / mode_rate
         out[mode] = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}
     if args.components:
         out["components"] = components(args)
+    if args.gemm_ceiling:
+        out["gemm_ceiling"] = gemm_ceiling(args, best_rate)
     print(json.dumps(out))
 
 

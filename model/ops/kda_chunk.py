@@ -292,7 +292,12 @@ def _chunk_fwd_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
         keep_n = (1.0 - start).unbind(0)
         if s0 is not None:  # the state entering a document's first chunk: its initial state
             init_n = (s0.index_select(0, chunk_doc) * start.view(-1, 1, 1, 1)).unbind(0)
-    ends, states, v_news = [], [], []
+    # the loop writes each chunk's entering state and pseudo-values into their slots while
+    # they are in cache (a stack of 2 NC tensors afterwards re-read them from memory)
+    S_in = q.new_empty(B, H, NC, K, V)
+    V_new = v.new_empty(B, H, NC, C, V)
+    S_in_n, V_new_n = S_in.unbind(2), V_new.unbind(2)
+    ends = []
     for n in range(NC):
         if start is not None:
             if keep_ends:
@@ -300,12 +305,9 @@ def _chunk_fwd_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
             S = S * keep_n[n]  # reset where a document starts
             if s0 is not None:
                 S = S + init_n[n]
-        v_new = U_n[n] - W_n[n] @ S  # [B, H, C, V] pseudo-values
-        states.append(S)
-        v_news.append(v_new)
+        S_in_n[n].copy_(S)
+        v_new = torch.sub(U_n[n], W_n[n] @ S, out=V_new_n[n])  # [B, H, C, V] pseudo-values
         S = torch.baddbmm(_flat(a_n[n] * S), _flat(kt_n[n]), _flat(v_new)).view(S.shape)
-    S_in = torch.stack(states, dim=2)  # [B, H, NC, K, V]
-    V_new = torch.stack(v_news, dim=2)  # [B, H, NC, C, V]
     o = _flat(q * e_G) @ _flat(S_in)  # [B H NC, C, V]
     o = torch.baddbmm(o, _flat(A_qk), _flat(V_new), beta=scale, alpha=scale).view(v.shape)
     ends_t = torch.stack([*ends, S[0]]) if keep_ends else q.new_zeros(0)
@@ -337,10 +339,13 @@ def _chunk_bwd_impl(do: Tensor, d_ends: Tensor | None, dS_out: Tensor | None, q:
     if start is not None:
         keep_n = (1.0 - start).unbind(0)
     dV_new = torch.empty_like(V_new)  # = dU, written by the loop
-    dV_n = dV_new.unbind(2)
-    dS_next, d_post = [None] * NC, [None] * NC
+    dS_n = torch.empty_like(S_in)  # [B, H, NC, K, V] gradient of each chunk's S_out
+    d_a = q.new_empty(B, H, NC, K)  # gradient of each chunk's a_end
+    dV_n, dSn_n, da_n, S_in_n = dV_new.unbind(2), dS_n.unbind(2), d_a.unbind(2), S_in.unbind(2)
+    d_post = [None] * NC
     for n in range(NC - 1, -1, -1):
-        dS_next[n] = dS
+        dSn_n[n].copy_(dS)  # written while in cache, like d_a's row sums
+        torch.linalg.vecdot(S_in_n[n], dS, out=da_n[n])
         dv = dV_n[n].copy_(dVo_n[n])
         dv.view(-1, C, dv.shape[-1]).baddbmm_(_flat(kd_n[n]), _flat(dS))  # [B, H, C, V]
         dS = torch.addcmul(dSo_n[n], a_n[n], dS).sub_(Wt_n[n] @ dv)
@@ -356,9 +361,7 @@ def _chunk_bwd_impl(do: Tensor, d_ends: Tensor | None, dS_out: Tensor | None, q:
         else:
             d_init = torch.stack(d_post) * start.view(-1, 1, 1, 1)  # [NC, H, K, V]
             ds0 = torch.zeros_like(s0).index_add_(0, chunk_doc, d_init)
-    dS_n = torch.stack(dS_next, dim=2)  # [B, H, NC, K, V] gradient of each chunk's S_out
     d_kd = V_new @ dS_n.transpose(-1, -2)  # [.., C, K]
-    d_a = torch.linalg.vecdot(S_in, dS_n)  # [.., NC, K]
     # UT transform, [W | U] = L^-1 R (L = I + beta S_kk, R = [beta exp(G) k | beta v]) with
     # dW = -dV_new S_in^T, dU = dV_new: dR = L^-T [dW | dU] gives dR_v = Ainv^T dV_new and
     # dR_k = -dR_v S_in^T; d(beta S_kk) = -(dR [W | U]^T) below the diagonal, and
