@@ -49,6 +49,7 @@ import os
 import resource
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -103,16 +104,17 @@ def packed_rows(args: argparse.Namespace) -> tuple[list[int], Packing]:
     return lengths, Packing.from_host(cu, args.batch, args.seq, torch.device("cpu"))
 
 
-def run_mode(mode: str, args: argparse.Namespace) -> dict:
-    cfg = load_model_config("cpu_bench", num_nextn_predict_layers=int(args.mtp))
+def train_step(cfg, args: argparse.Namespace, compiled: bool = False
+               ) -> tuple[Callable[[], None], list[int]]:
+    """(one training step of a fresh `cfg` model on the benchmark's packed batch: forward,
+    backward, AdamW as `optim=adamw` trains; the batch's document lengths)."""
     model = build_model(cfg, seed=0)
     model.train()
-    if mode == "compiled":
+    if compiled:
         apply_compile(model.decoder_layers())
-    opt = build_optimizer(model, OptimConfig(name="adamw"))  # what `optim=adamw` trains with
+    opt = build_optimizer(model, OptimConfig(name="adamw"))
     g = torch.Generator().manual_seed(0)
-    B, T = args.batch, args.seq
-    ids = torch.randint(0, 256, (B, T), generator=g)
+    ids = torch.randint(0, 256, (args.batch, args.seq), generator=g)
     labels = torch.roll(ids, -1, 1)
     lengths, packing = packed_rows(args)
 
@@ -122,6 +124,13 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    return step, lengths
+
+
+def run_mode(mode: str, args: argparse.Namespace) -> dict:
+    cfg = load_model_config("cpu_bench", num_nextn_predict_layers=int(args.mtp))
+    step, lengths = train_step(cfg, args, compiled=mode == "compiled")
+    B, T = args.batch, args.seq
     t0 = time.perf_counter()
     step()  # warm-up (compiles in `compiled`)
     first = time.perf_counter() - t0
@@ -171,20 +180,7 @@ def gemm_ceiling(args: argparse.Namespace, best_rate: float) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     cfg = load_model_config("cpu_bench", num_nextn_predict_layers=int(args.mtp))
-    model = build_model(cfg, seed=0)
-    model.train()
-    opt = build_optimizer(model, OptimConfig(name="adamw"))
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 256, (args.batch, args.seq), generator=g)
-    labels = torch.roll(ids, -1, 1)
-    lengths, packing = packed_rows(args)
-
-    def step() -> None:
-        s, n = model(ids, packing, labels=labels)
-        (s / n).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
+    step, lengths = train_step(cfg, args)
     step()
     step_s = best_seconds(step, 2)
     t0 = time.perf_counter()
