@@ -38,7 +38,9 @@ def weighted_combine_reference(y: Tensor, order: Tensor, topk_weight: Tensor) ->
 
 def _gather_weighted(y: Tensor, inverse: Tensor, w: Tensor) -> Tensor:
     S, k = w.shape
-    y_tk = y[inverse].view(S, k, y.shape[-1])  # [S, k, l] in (token, k) order
+    # index_select: its backward is an index_add over a permutation (y[inverse]'s is an
+    # accumulating index_put, ~20x slower on a CPU)
+    y_tk = y.index_select(0, inverse).view(S, k, y.shape[-1])  # [S, k, l] in (token, k) order
     return (y_tk.to(w.dtype) * w.unsqueeze(-1)).sum(1)
 
 
@@ -81,7 +83,7 @@ def _combine_bwd_op(dout: Tensor, y: Tensor, inverse: Tensor, w: Tensor
     dy_tk = (w.unsqueeze(-1) * dout.unsqueeze(1)).reshape(S * k, -1)  # (token, k) order
     dy = torch.empty_like(y)
     dy[inverse] = dy_tk.to(y.dtype)
-    dw = (y[inverse].view(S, k, -1).to(w.dtype) * dout.unsqueeze(1)).sum(-1)
+    dw = (y.index_select(0, inverse).view(S, k, -1).to(w.dtype) * dout.unsqueeze(1)).sum(-1)
     return dy, dw
 
 

@@ -551,7 +551,7 @@ def _chunk_varlen(
     slot, start, chunk_doc, chunk_off, NC = _doc_layout(cu, T, C)
 
     def to_chunks(x: Tensor) -> Tensor:  # [1, T, H, D] -> [1, H, NC, C, D]
-        buf = x.new_zeros(NC * C, *x.shape[2:]).index_copy(0, slot, x[0])
+        buf = x.new_zeros(NC * C, *x.shape[2:]).index_copy_(0, slot, x[0])  # in place: no clone
         return buf.view(1, NC, C, H, x.shape[-1]).permute(0, 3, 1, 2, 4)
 
     q, k, v, g = (to_chunks(x) for x in xs[:4])
