@@ -242,13 +242,12 @@ class MoonEPDispatcher:
         """[rows, l] expert outputs in x_grouped's layout -> [S, l] fp32 weighted sum over k."""
         route = handle.route
         S, k = handle.topk_weight.shape
-        # index_select (unique rows): backward an index_add, not an accumulating index_put
-        y_recv = y_grouped.index_select(0, route.recv_rows)  # [n_recv, l] padding dropped
+        y_recv = y_grouped[route.recv_rows]  # [n_recv, l] padding dropped
         y_back = AllToAllRows.apply(y_recv, route.send_splits, route.recv_splits,
                                     self.group)  # [S*k, l] in send order
         inverse = torch.empty_like(route.send_order)
         inverse[route.send_order] = torch.arange(S * k, device=y_back.device)
-        y_tk = y_back.index_select(0, inverse).view(S, k, y_back.shape[-1])  # [S, k, l]
+        y_tk = y_back[inverse].view(S, k, y_back.shape[-1])  # [S, k, l] original (token, k) order
         w = handle.topk_weight  # fp32 (fp64 in the float64 verification mode)
         return (y_tk.to(w.dtype) * w.unsqueeze(-1)).sum(1)  # [S, l]
 
