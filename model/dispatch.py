@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from model.balancing import count_ids
-from model.ops.backends import compile_constant, cuda_backends_forced
+from model.ops.backends import cpu_run
 from model.ops.combine import weighted_combine
 
 
@@ -38,19 +38,13 @@ class LocalHandle:
     during_out: object = None
 
 
-@compile_constant
-def _cpu_run(device: torch.device) -> bool:
-    """Constant for a compiled graph: a CPU run, not a fake-tensor trace of the GPU path."""
-    return device.type == "cpu" and not cuda_backends_forced()
-
-
 def _pair_rows(x: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
     """x[order // k]: [S*k, l] token rows in grouped order. On a CPU each token's row is
     repeated k times in (token, k) order and then permuted with index_select: autograd's
     backward is an index_add over a permutation and a sum over k (deterministic), where
     x[order // k]'s is an accumulating index_put, ~20x slower on a CPU (on CUDA a sort-based
     kernel; kept there, as the roofline and GPU figures have it)."""
-    if not _cpu_run(x.device):
+    if not cpu_run(x.device):
         return x[order // k]
     S, d = x.shape
     return x.unsqueeze(1).expand(S, k, d).reshape(S * k, d).index_select(0, order)

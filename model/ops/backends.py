@@ -13,7 +13,8 @@ Our fused kernels (AttnRes mix, SiTU-GLU, short conv, row norms, MoE combine) ch
 `fused_backend(device, dtype, env)` ("triton" on CUDA, else "torch"; `K3_*_BACKEND` overrides):
 `triton_chosen(t, env)` inside their custom ops, `use_fused_kernel(t, env)` in the model to
 decide whether to call the custom op at all (a constant for torch.compile); `compute_dtype` is
-their maths dtype and `kernel_programs` sizes their row-strided backward grids.
+their maths dtype and `kernel_programs` sizes their row-strided backward grids. `cpu_run(device)`
+marks code with a CPU-only formulation (a real CPU run, not a GPU trace).
 """
 
 from __future__ import annotations
@@ -83,6 +84,13 @@ def compile_constant(fn):
     process's start-up): the attribute it sets on `fn` in torch 2.11-2.14."""
     fn._dynamo_marked_constant = True
     return fn
+
+
+@compile_constant
+def cpu_run(device: torch.device) -> bool:
+    """Constant for a compiled graph: a real CPU run, not a fake-tensor trace of the GPU path
+    (`force_cuda_backends()`): where an op keeps a CPU-only formulation."""
+    return device.type == "cpu" and not cuda_backends_forced()
 
 
 @compile_constant

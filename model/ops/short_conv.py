@@ -33,7 +33,7 @@ from torch import Tensor
 from model.ops.backends import (
     compile_constant,
     compute_dtype,
-    cuda_backends_forced,
+    cpu_run,
     triton_chosen,
     use_fused_kernel,
 )
@@ -172,7 +172,7 @@ def _conv_op(x: Tensor, weight: Tensor, pos_in_doc: Tensor) -> Tensor:
         from model.ops import short_conv_triton
 
         return short_conv_triton.conv_fwd(x, weight, pos_in_doc)
-    if x.device.type == "cpu" and not cuda_backends_forced():  # a CPU run, not a GPU trace
+    if cpu_run(x.device):  # a CPU run, not a GPU trace
         return _conv_fwd_cpu(x, weight, pos_in_doc)
     with torch.no_grad():  # forced off CUDA, or float64: the reference formula
         return short_conv_silu_reference(x, weight, pos_in_doc)
@@ -191,7 +191,7 @@ def _conv_bwd_op(dy: Tensor, x: Tensor, weight: Tensor, pos_in_doc: Tensor
         from model.ops import short_conv_triton
 
         return short_conv_triton.conv_bwd(dy.contiguous(), x, weight, pos_in_doc)
-    if x.device.type == "cpu" and not cuda_backends_forced():  # a CPU run, not a GPU trace
+    if cpu_run(x.device):  # a CPU run, not a GPU trace
         return _conv_bwd_cpu(dy, x, weight, pos_in_doc)
     return _conv_bwd_torch(dy, x, weight, pos_in_doc)
 
