@@ -1,11 +1,12 @@
-"""Time and peak memory of `train.import_hf` on a synthetic K3-release checkpoint; one JSON line.
+"""Time and peak memory of `train.checkpoint.import_hf` on a synthetic K3-release checkpoint; one
+JSON line.
 
     python benchmarks/import_k3_cpu.py [--model k3_small] [--nproc 1] [--workdir DIR] [--keep]
 
 Writes a checkpoint in K3's release layout for the model preset (random bf16 text tensors,
 random MXFP4 codes and scales for every routed expert, 5 GB shards, an index; tensor by tensor,
-never the whole model), then imports it with `python -m train.import_hf` (`--nproc` > 1: under
-torchrun) and reports the import's wall time, the peak RSS of the largest import process
+never the whole model), then imports it with `python -m train.checkpoint.import_hf` (`--nproc`
+> 1: under torchrun) and reports the import's wall time, the peak RSS of the largest import process
 (`RUSAGE_CHILDREN`, which includes the pages of the safetensors files it mapped) and the sizes
 on disk. k3_small: 4.25B parameters, a 4.4 GB release, a 17 GB float32 checkpoint.
 """
@@ -31,7 +32,7 @@ from safetensors.torch import save_file  # noqa: E402
 
 from model.config import load_model_config  # noqa: E402
 from model.decoder import K3Model  # noqa: E402
-from train.export_hf import INDEX, hf_config, hf_tensors  # noqa: E402
+from train.checkpoint.export_hf import INDEX, hf_config, hf_tensors  # noqa: E402
 
 EXPERT = re.compile(r"\.experts\.\d+\.w[123]\.weight$")
 QUANT = {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
@@ -103,7 +104,7 @@ def main() -> None:
                  f"--nproc_per_node={args.nproc}", "-m"] if args.nproc > 1
                 else [sys.executable, "-m"])
         t0 = time.perf_counter()
-        r = subprocess.run([*head, "train.import_hf", str(work / "release"), "--output",
+        r = subprocess.run([*head, "train.checkpoint.import_hf", str(work / "release"), "--output",
                             str(work / "run")], cwd=ROOT, capture_output=True, text=True)
         import_s = time.perf_counter() - t0
         if r.returncode != 0:

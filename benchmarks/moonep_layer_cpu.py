@@ -5,8 +5,8 @@
 What: every rank routes `--tokens` tokens to `--topk` of `--experts` experts (a skewed router:
 one hot expert, so replicas are planned), then runs dispatch -> replica weight fetch -> grouped
 SiTU-GLU experts (bf16 weights and tokens) -> combine, forward and backward, as a training step
-does. Counted on every rank (`train.host_syncs.HostSyncCounter` around the forward and around the
-backward; wrappers on the `torch.distributed` collectives):
+does. Counted on every rank (`train.observe.host_syncs.HostSyncCounter` around the forward and
+around the backward; wrappers on the `torch.distributed` collectives):
 * host_reads_forward / host_reads_backward (the worst rank) and rank 0's by name: where a GPU
   would wait for the host;
 * collectives_forward / collectives_backward: rank 0's sequence of collectives, each with its
@@ -41,7 +41,7 @@ def _layer(rank: int, args: argparse.Namespace, out_q) -> None:
     from model.ops.grouped_gemm import grouped_mm
     from model.ops.situ import situ_glu
     from moonep import MoonEPDispatcher
-    from train.host_syncs import HostSyncCounter
+    from train.observe.host_syncs import HostSyncCounter
 
     R, E, S, k, L, M = args.ranks, args.experts, args.tokens, args.topk, args.latent, args.inter
     g = torch.Generator().manual_seed(rank)

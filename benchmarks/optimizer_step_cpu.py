@@ -3,7 +3,7 @@ one JSON line.
 
     python benchmarks/optimizer_step_cpu.py [--model cpu_bench] [--threads 1] [--repeats 3]
 
-What: `train.optim.build_optimizer` for both configs over the preset's parameters (fp32) with
+What: `train.optim.build.build_optimizer` for both configs over the preset's parameters (fp32) with
 random gradients, best of `--repeats` steps after one warm-up step (state allocation), in CPU
 seconds of this process (`time.process_time`); `adamw_unfused_loop_step_cpu_s` is torch's
 per-parameter AdamW loop (`foreach=False`, what `optim=adamw` ran on a CPU before it took the
@@ -29,8 +29,8 @@ import torch  # noqa: E402
 from benchmarks.timing import best_seconds  # noqa: E402
 from model.build import build_model  # noqa: E402
 from train.config import OptimConfig  # noqa: E402
-from train.muon import muon_blocks, ns_flops  # noqa: E402
-from train.optim import build_optimizer  # noqa: E402
+from train.optim.build import build_optimizer  # noqa: E402
+from train.optim.muon import muon_blocks, ns_flops  # noqa: E402
 
 
 def best_cpu_s(fn, repeats: int) -> float:

@@ -29,8 +29,8 @@ N = data.global_batch / (dp x data.micro_batch) micro-batches on this rank (JSON
 packed documents (`data.docs_per_row`, our knob, default 4 per row; document i of a row is about
 (i+1)/sum(1..n) of it, so lengths are uneven) through forward and backward (traced once,
 counted N times: `OpRecord.count`), then once gradient clipping
-(`parallel.grads.clip_grad_norm`), the AdamW step (`train.optim.build_optimizer`: torch's fused
-AdamW, its CUDA choice) and the router-bias update (Quantile Balancing, phase `step_end`).
+(`parallel.grads.clip_grad_norm`), the AdamW step (`train.optim.build.build_optimizer`: torch's
+fused AdamW, its CUDA choice) and the router-bias update (Quantile Balancing, phase `step_end`).
 `tokens` and `model_flops` are the step's (N micro-batches); `doc_lengths` one micro-batch's.
 `--layer N` traces decoder layer N alone (AttnRes inputs of the right depth, like
 tests/unit/test_gpu_ready.py's `_k3_layer_step`) plus its parameters' optimizer step: needed for
@@ -42,7 +42,7 @@ the full `k3`, whose whole step is too large to trace.
   backwards are single opaque ops, and the loss's logits are one bf16 GEMM writing fp32
   (`model.loss.mm_fp32_out`, `torch.mm(out_dtype=)`).
 * The optimizer runs for real on fake fp32 master parameters with fp32 gradients: the one
-  `train.optim.build_optimizer` builds on CUDA, torch's fused AdamW (`aten._fused_adamw_`, as
+  `train.optim.build.build_optimizer` builds on CUDA, torch's fused AdamW (`aten._fused_adamw_`, as
   many multi_tensor_apply launches as foreach ops), its state initialised by one unrecorded step
   (the CPU step counters it keeps are host ops, not kernels). `clip_grad_norm`'s final float()
   read cannot run on fake tensors: it is the last statement, so every kernel before it is
@@ -70,8 +70,8 @@ the full `k3`, whose whole step is too large to trace.
   device `cu_seqlens` is a fake tensor): `k3::varlen_attention` 2*H*sum(L(L+1)/2)*(Dqk + Dpad),
   backward 2*H*sum(L(L+1)/2)*(3*Dqk + 2*Dpad) (flop_counter's SDPA-backward count, causal),
   Dpad = max(Dqk, Dv) since the kernel runs v zero-padded to Dqk; `k3::chunk_kda_fla`
-  H*sum(L*(6*K*V + 3*min(C, L)*(K + V))) (train.flops' KDA count), `k3::chunk_kda_fla_bwd` 3x
-  that (fla's backward ~2x forward, plus the forward it re-runs); `k3::grouped_mm` and
+  H*sum(L*(6*K*V + 3*min(C, L)*(K + V))) (train.observe.flops' KDA count), `k3::chunk_kda_fla_bwd`
+  3x that (fla's backward ~2x forward, plus the forward it re-runs); `k3::grouped_mm` and
   `k3::grouped_mm_wgrad` 2*rows*in*out. Kernels per op: 1, except KDA forward 6 and backward 16
   (fla 0.6 chunk_kda: cumsum, intra, solve, w/u, h, o; the backward re-runs the forward, then
   ~10 more; +3 forward and +9 backward with KDA's prologue in fla, `KDA_PROLOGUE_KERNELS`),
@@ -93,10 +93,10 @@ the full `k3`, whose whole step is too large to trace.
   a name takes its backward along) as the ops of their PyTorch form, traced through the custom
   op's body: the before/after of each kernel.
 * MFU = model_flops / (predicted_step_s * dense bf16 peak), model_flops =
-  `train.flops.step_flops(cfg, doc_lengths)` (the trainer's count). With `--layer N`, the same
-  count restricted to the layer: 6 * its active parameters (routed experts top-k/E) per token
-  plus its own MLA or KDA term (train.flops.mla/kda_flops_per_token, per document); the sum over
-  all layers plus the head, output mix and final norm is `step_flops` (tested).
+  `train.observe.flops.step_flops(cfg, doc_lengths)` (the trainer's count). With `--layer N`, the
+  same count restricted to the layer: 6 * its active parameters (routed experts top-k/E) per token
+  plus its own MLA or KDA term (train.observe.flops.mla/kda_flops_per_token, per document); the sum
+  over all layers plus the head, output mix and final norm is `step_flops` (tested).
 
 Categories (documented rule, first match wins): (1) the op: matmul-like -> gemm, attention
 kernels -> attention, KDA kernels -> kda; (2) the optimizer phase -> optimizer; (3) the
@@ -173,7 +173,7 @@ class GPU:
     gemm_flops: float  # achievable dense bf16 GEMM rate, FLOP/s
     bandwidth: float  # achievable HBM bandwidth, B/s
     vector_flops: float  # non-tensor-core (CUDA-core fp32) rate, FLOP/s
-    peak_bf16: float  # dense bf16 datasheet peak, for MFU (train.flops.PEAK_BF16_FLOPS)
+    peak_bf16: float  # dense bf16 datasheet peak, for MFU (train.observe.flops.PEAK_BF16_FLOPS)
 
 
 # Change only from measurements of benchmarks/gpu_suite.sh. Vector rate: the CUDA-core fp32
@@ -791,7 +791,7 @@ def _optimizer_ops(trace: Trace, module: torch.nn.Module, job, shards: int = 1) 
     master copies of `module`'s parameters, or of one rank's FSDP2 shard of them."""
     from model.ops.backends import force_cuda_backends
     from parallel.grads import clip_grad_norm
-    from train.optim import build_optimizer
+    from train.optim.build import build_optimizer
 
     with force_cuda_backends(), FakeTensorMode():  # fake CPU masters: fused AdamW takes them
         holder = _Shard(module, shards)
@@ -885,8 +885,8 @@ def _layer_active_params(module: torch.nn.Module, cfg) -> int:
 
 def _layer_model_flops(cfg, layer: torch.nn.Module, idx: int, lengths: list[int]) -> float:
     """The trainer's count restricted to one layer: 6 * its active parameters per token plus its
-    own attention / KDA term (train.flops)."""
-    from train.flops import kda_flops_per_token, mla_flops_per_token
+    own attention / KDA term (train.observe.flops)."""
+    from train.observe.flops import kda_flops_per_token, mla_flops_per_token
 
     tokens = sum(lengths)
     mixer = (sum(n * n for n in lengths) * mla_flops_per_token(cfg, 1)
@@ -908,7 +908,7 @@ def trace_step(job: Job, layer: int | None = None, optimizer_shards: int = 1,
     from parallel.fsdp import units_stay_gathered
     from parallel.grad_accumulation import attach_local_main_grads
     from parallel.parallelize import fuses_grad_accumulation
-    from train.flops import step_flops
+    from train.observe.flops import step_flops
 
     cfg, d = job.model, job.job.data
     B, T = d.micro_batch, d.seq_len

@@ -7,11 +7,11 @@ own fp32 GEMM rate; prints one JSON line.
 What: the `cpu_bench` preset (configs/model/cpu_bench.yaml: hidden 512, KDA + gated MLA,
 AttnRes, latent MoE with shared experts; every component) trains in fp32 on packed documents
 (`--batch` rows of `--seq` tokens, `--docs` uneven documents per row): forward, backward and an
-AdamW step (`train.optim.build_optimizer`, `optim=adamw`: torch's fused AdamW), best of
+AdamW step (`train.optim.build.build_optimizer`, `optim=adamw`: torch's fused AdamW), best of
 `--steps` timed steps after one warm-up. The GEMM rate is measured in the same process at the
 same thread count: the best of `torch.mm` over the model's own GEMM shapes
 (tokens x hidden x 1408, tokens x hidden x hidden, tokens x 256 x 256 and tokens x hidden x
-vocab), fp32. MFU = model FLOPs of the batch (`train.flops.step_flops`, what the trainer
+vocab), fp32. MFU = model FLOPs of the batch (`train.observe.flops.step_flops`, what the trainer
 reports) / step time / that GEMM rate (`mfu_vs_measured_gemm`: the best step against the
 best GEMM rate of the run, the up-front probe's or any later one's; `gemm_fp32_flops` is the
 up-front probe alone). The GEMM rate of a shared machine moves by tens of percent from minute
@@ -62,9 +62,9 @@ from model.config import load_model_config  # noqa: E402
 from model.packing import Packing  # noqa: E402
 from parallel.activation_checkpoint import apply_compile  # noqa: E402
 from train.config import OptimConfig  # noqa: E402
-from train.flops import step_flops  # noqa: E402
 from train.host_memory import keep_freed_memory  # noqa: E402
-from train.optim import build_optimizer  # noqa: E402
+from train.observe.flops import step_flops  # noqa: E402
+from train.optim.build import build_optimizer  # noqa: E402
 
 
 def gemm_rate(tokens: int, shapes: list[tuple[int, int]], repeats: int = 5) -> float:

@@ -111,7 +111,7 @@ def describe_rank(job, dims, meshes, pp_rank: int, docs_per_row: int = 1) -> dic
     local_dense = local_expert = gathered_dense = gathered_expert = 0
     muon = job.optim.name == "muon"
     if muon:
-        from train.muon import adamw_only
+        from train.optim.muon import adamw_only
     state_bytes = 0
     for name, p in out.model.named_parameters():
         n = _local_numel(p)
@@ -136,7 +136,7 @@ def describe_rank(job, dims, meshes, pp_rank: int, docs_per_row: int = 1) -> dic
     layers = sorted(int(k) for k in out.model.layers.keys())
     extra = {}
     if muon:  # bytes the owner exchanges send per step (fp32 updates)
-        from train.muon import exchange_plans
+        from train.optim.muon import exchange_plans
 
         plans = exchange_plans(out.model)
         extra["muon_exchange_gib"] = round(max(

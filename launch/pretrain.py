@@ -6,8 +6,8 @@ same command again resumes from the latest intact checkpoint in the run director
 worker group that torchrun restarts (`--max-restarts=K`) after a rank dies. A bad config
 prints one line naming the field and the fix, exits with code 2 and writes nothing. With no
 `model=`, `model.*` or `+recipe=` override, a run directory holding checkpoints (an import by
-`train.import_hf`, say) trains the model they hold. `checkpoint.init_from=<HF dir>` starts a new
-run from a release's weights and config.json (`model.FIELD=V` on top).
+`train.checkpoint.import_hf`, say) trains the model they hold. `checkpoint.init_from=<HF dir>`
+starts a new run from a release's weights and config.json (`model.FIELD=V` on top).
 Extra flag: `--print-config` prints the resolved config and exits.
 """
 
@@ -92,7 +92,11 @@ def _model_from_release(job: JobConfig, overrides: list[str]) -> None:
     """checkpoint.init_from: the model is the release's config.json, with the command line's
     model.FIELD=V (fields that change no weight, such as kda_chunk_size) on top."""
     from model.inspect import parse_model_overrides
-    from train.import_hf import ImportHFError, model_config_from_release, read_release_config
+    from train.checkpoint.import_hf import (
+        ImportHFError,
+        model_config_from_release,
+        read_release_config,
+    )
 
     folder = Path(job.checkpoint.init_from)
     if any(o.lstrip("+~").startswith("model=") for o in overrides):
@@ -102,8 +106,8 @@ def _model_from_release(job: JobConfig, overrides: list[str]) -> None:
     try:
         job.model = model_config_from_release(read_release_config(folder), overrides=fields)[0]
     except ImportHFError as e:
-        hint = (" (a flag of python -m train.import_hf: import the release with it, then "
-                "run.dir=<the import>)") if "--ignore-field" in str(e) else ""
+        hint = (" (a flag of python -m train.checkpoint.import_hf: import the release with it, "
+                "then run.dir=<the import>)") if "--ignore-field" in str(e) else ""
         raise ConfigError(f"checkpoint.init_from={str(folder)!r}: {e}{hint}") from None
 
 
@@ -128,8 +132,8 @@ def main(argv: list[str]) -> int:
             print(OmegaConf.to_yaml(OmegaConf.structured(job)))
         return 0
 
-    from train import crash_faults
     from train.distributed import init_distributed, shutdown
+    from train.faults import crash as crash_faults
     from train.trainer import TrainingStopped, train
 
     crash_faults.record("start")  # test-only (K3TRAIN_FAULT_LOG): when this worker began

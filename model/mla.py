@@ -7,8 +7,8 @@ q-LoRA (RMSNorm eps 1e-6) -> q [H, 128+64]; kv-LoRA (RMSNorm eps 1e-6) -> k_C, v
 documents varlen FlashAttention on CUDA or a blockwise masked SDPA elsewhere, neither of which
 builds a [T, T] mask or reads tensor data on the host.
 
-QK-Clip support (`train.qk_clip`): after `track_logits()`, training forwards keep in the buffer
-`logit_max` [local heads] the running maximum of each head's log-sum-exp bound on its
+QK-Clip support (`train.optim.qk_clip`): after `track_logits()`, training forwards keep in the
+buffer `logit_max` [local heads] the running maximum of each head's log-sum-exp bound on its
 pre-softmax logits (`packed_causal_attention(logit_bound=True)`), and `qk_clip_rows` gives the
 per-row factors that rescale a head's q_C / k_C by sqrt(tau/S) and its q_R by tau/S.
 """

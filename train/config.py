@@ -96,11 +96,11 @@ class OptimConfig:
     warmup_frac: float = 0.01  # K3: 1% linear warmup
     min_lr_ratio: float = 0.1
     decay_frac: float = 0.2  # wsd: the last fraction of steps decays linearly
-    momentum: float = 0.95  # muon: Nesterov momentum of the Muon side (train.muon)
+    momentum: float = 0.95  # muon: Nesterov momentum of the Muon side (train.optim.muon)
     nesterov: bool = True
     ns_steps: int = 5  # muon: quintic Newton-Schulz iterations
-    # QK-Clip (train.qk_clip): rescale MLA heads whose logit bound exceeds tau after each step;
-    # None disables (optim=muon sets 100, K2's value)
+    # QK-Clip (train.optim.qk_clip): rescale MLA heads whose logit bound exceeds tau after each
+    # step; None disables (optim=muon sets 100, K2's value)
     qk_clip_tau: float | None = None
 
 
@@ -111,16 +111,17 @@ class TrainConfig:
     stop_at_step: int | None = None  # end this run early (with a checkpoint); resume continues
     log_images_every: int = 50
     log_sample_ids: bool = False  # record the global batch's sample ids in metrics.jsonl
-    # count host synchronisations per step (train.host_syncs): host_syncs_model (inside the
+    # count host synchronisations per step (train.observe.host_syncs): host_syncs_model (inside the
     # model's forward + backward, 0 without EP) and host_syncs_step (the whole step), by op
     count_host_syncs: bool = False
-    # [a, b]: torch.profiler trace of steps a..b (1-based) into <run dir>/profile/ (train.profiling)
+    # [a, b]: torch.profiler trace of steps a..b (1-based) into <run dir>/profile/
+    # (train.observe.profiling)
     profile_steps: list[int] = field(default_factory=list)
     # a step whose loss or gradient norm is not finite on any rank is skipped on all ranks; this
     # many in a row stop the run (its last checkpoint is a good one)
     max_skipped_in_a_row: int = 5
     spike_factor: float = 3.0  # log a loss above this x the running median (0: off)
-    # a rank whose compute time (train.stragglers) exceeds this x its peers' median for
+    # a rank whose compute time (train.observe.stragglers) exceeds this x its peers' median for
     # straggler_steps steps in a row is named in a warning (0: off)
     straggler_factor: float = 1.5
     straggler_steps: int = 5
@@ -136,7 +137,8 @@ class CheckpointConfig:
     resume: bool = True  # resume from the latest complete checkpoint in the run directory
     # a Hugging Face checkpoint folder (K3's release, our export): with no checkpoint in the run
     # directory yet, the model (config.json's, model.FIELD=V on top) starts from its weights, read
-    # straight into this layout (train.release_reader), with a fresh optimizer and schedule
+    # straight into this layout (train.checkpoint.release_reader), with a fresh optimizer and
+    # schedule
     init_from: str | None = None
 
 
@@ -158,7 +160,7 @@ class MetricsConfig:
 
 @dataclass
 class DebugConfig:
-    """Test-only fault injection (train.faults)."""
+    """Test-only fault injection (train.faults.nonfinite)."""
 
     inject_nonfinite_steps: list[int] = field(default_factory=list)  # NaN loss on the last rank
     # [{step: 3, rank: 1, where: loss | activation | grad}, ...]
@@ -308,7 +310,7 @@ def validate_job(job: JobConfig, world_size: int, check_device: bool = True) -> 
     _need(g.slow_rank is None or 0 <= g.slow_rank < world_size,
           f"debug.slow_rank={g.slow_rank} must be a rank in 0..{world_size - 1}, or null")
     _need(g.slow_rank_s >= 0, f"debug.slow_rank_s={g.slow_rank_s} must be >= 0")
-    from train.faults import check_injections
+    from train.faults.nonfinite import check_injections
 
     _need(*check_injections(job.debug, world_size))
     _need(k.interval > 0, f"checkpoint.interval={k.interval} must be > 0")

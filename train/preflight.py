@@ -20,7 +20,7 @@ from data.dataset import PackedTokenDataset
 from data.loader import BatchLoader
 from data.tokenizer import load_tokenizer
 from model.config import ConfigError
-from train.checkpoint import published_steps
+from train.checkpoint.checkpointer import published_steps
 from train.config import JobConfig
 
 
@@ -149,7 +149,7 @@ def check_same_model(job: JobConfig) -> None:
 def check_release(job: JobConfig) -> None:
     """checkpoint.init_from on a new run: every tensor's name and shape fits the model (the
     safetensors headers only)."""
-    from train.release_reader import ImportHFError, ReleaseReader
+    from train.checkpoint.release_reader import ImportHFError, ReleaseReader
 
     fresh = not (job.checkpoint.enabled and job.checkpoint.resume) \
         or newest_train_state(job.run_dir) is None

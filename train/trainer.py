@@ -40,24 +40,24 @@ from parallel.fsdp import DTYPES, set_gradient_sync
 from parallel.grads import clip_grad_norm
 from parallel.parallelize import ParallelModel, parallelize
 from parallel.tensor_parallel import allreduce_replicated_grads
-from train import crash_faults
-from train.checkpoint import Checkpointer
+from train.checkpoint.checkpointer import Checkpointer
+from train.checkpoint.release_reader import load_release
 from train.config import JobConfig, micro_batches
 from train.distributed import DistEnv
 from train.evaluate import Validator
-from train.faults import Injections, poison_grad, poison_loss, poisoned_activation
-from train.flops import peak_flops, step_flops
+from train.faults import crash as crash_faults
+from train.faults.nonfinite import Injections, poison_grad, poison_loss, poisoned_activation
 from train.host_memory import keep_freed_memory
-from train.host_syncs import HostSyncCounter
-from train.layout_images import attnres_weights, router_matrices
-from train.metrics import MetricsLogger, memory_stats
-from train.model_stats import moe_layer_indices
-from train.optim import build_optimizer, build_scheduler
+from train.observe.flops import peak_flops, step_flops
+from train.observe.host_syncs import HostSyncCounter
+from train.observe.layout_images import attnres_weights, router_matrices
+from train.observe.metrics import MetricsLogger, memory_stats
+from train.observe.model_stats import moe_layer_indices
+from train.observe.profiling import StepProfiler, format_summary
+from train.observe.stragglers import ComputeClock, StragglerDetector, gather_seconds
+from train.optim.build import build_optimizer, build_scheduler
+from train.optim.qk_clip import qk_clip, qk_clip_metrics, reset_logits, track_logits
 from train.preflight import build_loader, build_val_loader, check_same_model, describe_data
-from train.profiling import StepProfiler, format_summary
-from train.qk_clip import qk_clip, qk_clip_metrics, reset_logits, track_logits
-from train.release_reader import load_release
-from train.stragglers import ComputeClock, StragglerDetector, gather_seconds
 
 
 def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
@@ -314,7 +314,7 @@ def train_step(pm: ParallelModel, optimizer: torch.optim.Optimizer, batches: lis
     sums and the gradient norm (one each), plus the router-balancing ratios after the step.
     A non-finite loss or gradient on any rank (both are reduced over every rank, so all ranks
     agree) skips the optimizer step; the gradients are dropped. `faults`: test-only injection
-    on this rank (`train.faults`).
+    on this rank (`train.faults.nonfinite`).
     """
     in_model = syncs.model if syncs else contextlib.nullcontext()
     model, dims = pm.model, pm.dims
@@ -394,7 +394,8 @@ def _pop_mtp_sums(model: K3Model, device: torch.device) -> torch.Tensor:
 
 def batch_flops(cfg, batches: list[dict]) -> float:
     """Model FLOPs of this rank's micro-batches from their document lengths (host cu_seqlens):
-    `train.flops.step_flops`, so packed short documents are not credited with long attention."""
+    `train.observe.flops.step_flops`, so packed short documents are not credited with long
+    attention."""
     lengths: list[int] = []
     for b in batches:
         lengths += b["cu_seqlens"].diff().tolist()
@@ -472,7 +473,7 @@ def _layer_stats(model: K3Model, ratios: list[float], ep: dict, pp_group) -> dic
 
 
 def _qk_clip(pm: ParallelModel, cfg, tau: float, device: torch.device) -> dict:
-    """QK-Clip after the optimizer step (`train.qk_clip`) and its metrics."""
+    """QK-Clip after the optimizer step (`train.optim.qk_clip`) and its metrics."""
     tp = pm.dims.tp
     offset = 0 if tp == 1 else pm.meshes.tp.get_local_rank() * (cfg.num_attention_heads // tp)
     S = qk_clip(pm.model, tau, cfg.num_layers_with_mtp, cfg.num_attention_heads, device, offset)
@@ -520,7 +521,7 @@ def _describe_layout(pm: ParallelModel, env: DistEnv) -> None:
 def _resume(ckpt: Checkpointer, path: Path, model, optimizer, scheduler, loader
             ) -> dict[str, Any]:
     ts = ckpt.load(path, model, optimizer)
-    if ts.get("weights_only"):  # imported weights (train.import_hf): everything else is fresh
+    if ts.get("weights_only"):  # imported weights (train.checkpoint.import_hf): everything else is fresh
         return {"step": 0, "tokens_seen": 0, "skipped_steps": 0}
     scheduler.load_state_dict(ts["scheduler"])
     _load_loader_state(loader, ts)

@@ -239,9 +239,9 @@ def worker(ctx: common.Ctx, out: dict) -> bool:
     from parallel.parallelize import parallelize
     from train.config import micro_batches
     from train.distributed import init_distributed
-    from train.flops import flops_per_token, peak_flops
-    from train.metrics import memory_stats
-    from train.optim import build_optimizer, build_scheduler
+    from train.observe.flops import flops_per_token, peak_flops
+    from train.observe.metrics import memory_stats
+    from train.optim.build import build_optimizer, build_scheduler
     from train.trainer import SyncCounts, balance_routers, train_step
 
     t = time.perf_counter()

@@ -450,7 +450,7 @@ _kda_chunk_op.register_autograd(_backward, setup_context=_setup_context)
 def _flops(q_shape, v_shape, backward: bool) -> int:
     """Matrix-product FLOPs of the op: per token slot and head 6KV + 3C(K+V) forward (three
     C x K x V products: W S, K^T V' and the output's Q S; intra scores, solve, A_qk V': what
-    ``train.flops`` counts for KDA), 12KV + 7C(K+V) backward (no forward re-run)."""
+    ``train.observe.flops`` counts for KDA), 12KV + 7C(K+V) backward (no forward re-run)."""
     B, H, NC, C, K = q_shape
     V = v_shape[-1]
     per_slot = 12 * K * V + 7 * C * (K + V) if backward else 6 * K * V + 3 * C * (K + V)

@@ -178,7 +178,7 @@ def _host_reads_collectives_and_reuse(rank: int, world: int) -> None:
     import torch.distributed as dist
 
     from moonep import MoonEPDispatcher, dispatch, replicas
-    from train.host_syncs import HostSyncCounter
+    from train.observe.host_syncs import HostSyncCounter
 
     p = _problem(world, [6] * world, "hot")
     disp = MoonEPDispatcher(None, EPN * world, replicas=True)

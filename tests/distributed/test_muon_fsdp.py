@@ -1,4 +1,4 @@
-"""Muon over FSDP2-sharded parameters (`train.muon_dist`) equals the single-device optimizer:
+"""Muon over FSDP2-sharded parameters (`train.optim.muon_dist`) equals the single-device optimizer:
 3 gloo ranks split the rows unevenly, so heads straddle ranks and take the owner exchange while
 expert stacks stay local; two steps with the same gradients, parameters compared in full."""
 
@@ -12,7 +12,7 @@ def _muon_sharded_equals_single_device(rank: int, world: int) -> None:
     from torch.distributed.tensor import distribute_tensor
 
     from tests.helpers.tiny import fsdp_debug_pair
-    from train.muon import MuonAdamW, muon_blocks
+    from train.optim.muon import MuonAdamW, muon_blocks
 
     sharded, ref = fsdp_debug_pair(world)
     opt = MuonAdamW(sharded, lr=0.02, weight_decay=0.1)

@@ -1,4 +1,5 @@
-"""`train.release_reader`: K3's release format read through torch DCP's HuggingFaceStorageReader.
+"""`train.checkpoint.release_reader`: K3's release format read through torch DCP's
+HuggingFaceStorageReader.
 
 The oracle is the model the synthetic release was written from (`tests/helpers/k3_release.py`:
 bf16 text tensors, routed experts MXFP4-packed and dequantised by the compressed-tensors package).
@@ -25,7 +26,7 @@ def _release(tmp_path):
 
 
 def test_slices_equal_the_source(tmp_path):
-    from train.release_reader import ReleaseReader
+    from train.checkpoint.release_reader import ReleaseReader
 
     source, folder = _release(tmp_path)
     reader = ReleaseReader(folder, source.config)
@@ -58,7 +59,7 @@ def _load_sharded(rank: int, world: int, folder: str, ref_path: str) -> None:
     from parallel.fsdp import apply_fsdp
     from parallel.tensor_parallel import apply_tensor_parallel
     from tests.helpers.tiny import packed_batch
-    from train.release_reader import ReleaseReader, load_release
+    from train.checkpoint.release_reader import ReleaseReader, load_release
 
     ref = torch.load(ref_path)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))

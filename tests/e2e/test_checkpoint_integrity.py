@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from tests.helpers.runs import losses, pretrain
-from train.checkpoint import CHECKSUMS, Checkpointer
+from train.checkpoint.checkpointer import CHECKSUMS, Checkpointer
 
 RUN = ["train.steps=3", "checkpoint.interval=1", "checkpoint.keep=10"]
 

@@ -72,7 +72,7 @@ def test_replicas_balance_ep_ranks(runs):
 
 
 def test_quantile_balancing_equal_under_ep(runs):
-    from train.export_hf import load_model
+    from train.checkpoint.export_hf import load_model
 
     biases = []
     for name in ("ref", "ep4"):

@@ -1,4 +1,5 @@
-"""End-to-end: a real 2-step checkpoint exported to Kimi K3 HF safetensors by `train.export_hf`.
+"""End-to-end: a real 2-step checkpoint exported to Kimi K3 HF safetensors by
+`train.checkpoint.export_hf`.
 
 One run (1 rank, debug model) is shared. The CLI runs as a subprocess, three at once (fp32 export,
 an existing --output, a run without checkpoints) because each pays torch's import; the bf16 export
@@ -21,7 +22,7 @@ from safetensors import safe_open
 from model.build import build_model
 from model.config import ModelConfig
 from tests.helpers.runs import ROOT, pretrain
-from train.export_hf import export_hf, load_hf_state_dict, model_config_from_hf
+from train.checkpoint.export_hf import export_hf, load_hf_state_dict, model_config_from_hf
 
 P = "language_model.model."
 FP32_SUFFIXES = ("A_log", "dt_bias", "conv1d.weight", "o_norm.weight", "gate.weight",
@@ -29,8 +30,8 @@ FP32_SUFFIXES = ("A_log", "dt_bias", "conv1d.weight", "o_norm.weight", "gate.wei
 
 
 def cli(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "train.export_hf", *map(str, args)], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, "-m", "train.checkpoint.export_hf", *map(str, args)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 @pytest.fixture(scope="module")

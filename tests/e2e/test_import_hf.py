@@ -1,4 +1,4 @@
-"""Continued pretraining from K3's released format (`train.import_hf`, issue #19).
+"""Continued pretraining from K3's released format (`train.checkpoint.import_hf`, issue #19).
 
 A synthetic checkpoint in K3's release layout (`tests/helpers/k3_release.py`: bf16 text tensors,
 MXFP4-packed routed experts dequantised by compressed-tensors, vision tensors, 3 shards, a tiktoken
@@ -34,8 +34,8 @@ from tests.helpers.runs import (
     pretrain,
     pretrain_many,
 )
-from train.export_hf import export_hf, load_model
-from train.import_hf import main as import_main
+from train.checkpoint.export_hf import export_hf, load_model
+from train.checkpoint.import_hf import main as import_main
 
 TRAINING_KNOBS = ["model.kda_chunk_size=32", "model.loss_chunk_tokens=1024"]  # the debug preset's
 LAYOUTS = {"tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2"], "ep2": ["parallel.ep=2"],
@@ -47,8 +47,8 @@ RUN = ["train.steps=1", "checkpoint.interval=100", "cluster.param_dtype=fp64"]  
 def _import_cli(*args, nproc: int = 1) -> subprocess.Popen:
     head = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
              f"--nproc_per_node={nproc}", "-m"] if nproc > 1 else [sys.executable, "-m"])
-    return subprocess.Popen([*head, "train.import_hf", *map(str, args)], cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    return subprocess.Popen([*head, "train.checkpoint.import_hf", *map(str, args)], cwd=ROOT,
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
@@ -217,7 +217,7 @@ def test_an_ignored_field_is_accepted_and_logged(runs, tmp_path, capsys):
 
 
 def test_sample_continues_greedily_like_the_source(runs, capsys):
-    from train.sample import main as sample_main
+    from train.checkpoint.sample import main as sample_main
 
     root, source = runs["root"], runs["source"]
     tok = load_tokenizer(root / "run" / "tokenizer")

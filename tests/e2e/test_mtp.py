@@ -21,7 +21,7 @@ from tests.helpers.runs import (
     pretrain_concurrently,
     pretrain_many,
 )
-from train.export_hf import export_hf, load_hf_state_dict, load_model
+from train.checkpoint.export_hf import export_hf, load_hf_state_dict, load_model
 
 FP64 = ["model.num_nextn_predict_layers=1", "train.steps=4", "checkpoint.interval=2",
         "cluster.param_dtype=fp64"]

@@ -26,7 +26,7 @@ def runs(tmp_path_factory):
 
 
 def _state(run_dir, step):
-    from train.export_hf import load_model
+    from train.checkpoint.export_hf import load_model
 
     model, _ = load_model(run_dir / "checkpoints" / f"step-{step:08d}")
     return {k: v for k, v in model.state_dict().items() if v.is_floating_point()}

@@ -93,7 +93,7 @@ def test_quantile_balancing_is_layout_independent(runs):
     import torch
 
     from model.balancing import margin_bounds
-    from train.export_hf import load_model
+    from train.checkpoint.export_hf import load_model
 
     biases = {}
     for name in ("A", "C"):
@@ -125,7 +125,7 @@ def test_host_syncs_per_step(runs):
     it, per step: the loader's boundaries validated on the host (one `tolist` per micro-batch),
     the global token counts with the model FLOPs (one `tolist`), the loss sums (one `tolist`:
     the next-token and MTP sums together) and the gradient norm (one `float`). The optimizer
-    reads nothing: torch's fused AdamW (`train.optim.build_optimizer`, CPU and CUDA) keeps its
+    reads nothing: torch's fused AdamW (`train.optim.build.build_optimizer`, CPU and CUDA) keeps its
     step counters as tensors it updates itself (the default per-parameter implementation read
     each one with `item`)."""
     for m in metrics(runs["C"]):

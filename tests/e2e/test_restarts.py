@@ -1,7 +1,7 @@
 """Automatic restart under torchrun (issue #18 item 1), and the straggler detector (item 4).
 
 One 2-rank `torchrun --max-restarts=4` job with asynchronous saves on CPU is killed (SIGKILL of a
-single rank, `train.crash_faults`) four times: mid-forward, mid-backward, inside an asynchronous
+single rank, `train.faults.crash`) four times: mid-forward, mid-backward, inside an asynchronous
 checkpoint write, and at a seeded random moment. torchrun restarts the worker group each time; it
 resumes from the last intact checkpoint and ends with every step's loss and samples equal, bit for
 bit, to an uninterrupted run. The same job on two torchrun agents (`--nnodes=2`, one worker each,

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import save_file
 
 from model.decoder import K3Model
-from train.export_hf import INDEX, hf_config, hf_tensors, keeps_fp32_hf
+from train.checkpoint.export_hf import INDEX, hf_config, hf_tensors, keeps_fp32_hf
 
 EXPERT = re.compile(r"^(language_model\.model\.layers\.\d+\.block_sparse_moe\.experts)\.(\d+)\."
                     r"(w[123])\.weight$")

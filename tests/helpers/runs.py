@@ -91,7 +91,7 @@ def assert_parameters_equal(ref_dir: Path, got_dir: Path, step: int) -> list[str
     (rtol 1e-5, atol 1e-6, for fp64 verification runs); returns the names compared."""
     import torch
 
-    from train.export_hf import load_model
+    from train.checkpoint.export_hf import load_model
 
     name = f"step-{step:08d}"
     ref, _ = load_model(ref_dir / "checkpoints" / name)

@@ -7,7 +7,7 @@ DataDependentOutputException / DynamicOutputShapeException, i.e. no op that woul
 wait for the host: a packed-document forward+backward of `debug` (also with MTP), one
 `forward_stage` of a pipeline stage, and forward+backward of one decoder layer of each type of
 the full `k3` preset at real width (4096 tokens, bf16).
-(b) In a real CPU step the host-sync counter (`train.host_syncs`) sees nothing inside the
+(b) In a real CPU step the host-sync counter (`train.observe.host_syncs`) sees nothing inside the
 model's forward and backward; the whole-step figures are checked in `tests/e2e/test_pretrain.py`.
 """
 
@@ -22,7 +22,7 @@ from model.decoder import DecoderLayer, K3Model
 from model.ops.backends import force_cuda_backends
 from model.packing import Packing
 from tests.helpers.tiny import debug_config, packed_batch, tiny_model
-from train.host_syncs import HostSyncCounter
+from train.observe.host_syncs import HostSyncCounter
 
 
 def _doc_bounds(batch: int, seq: int, docs_per_row: int) -> list[int]:

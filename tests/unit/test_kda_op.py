@@ -16,7 +16,7 @@ from model.ops.backends import force_cuda_backends
 from model.ops.kda import chunk_kda, chunk_kda_reference, kda_backend, recurrent_kda
 from model.packing import check_cu_seqlens
 from tests.helpers.fla import bind_as
-from train.host_syncs import HostSyncCounter
+from train.observe.host_syncs import HostSyncCounter
 
 F64 = torch.float64
 NAMES = ("q", "k", "v", "g", "beta")
@@ -388,13 +388,13 @@ def test_kda_chunk_custom_op_contract(packed: bool, g_min: float | None) -> None
 
 
 def test_kda_chunk_flops_match_the_trainers_count() -> None:
-    """FlopCounterMode sees the custom op's formula: forward = train.flops' KDA forward count
-    (T a multiple of the chunk), backward 12KV + 7C(K+V) per token and head."""
+    """FlopCounterMode sees the custom op's formula: forward = train.observe.flops' KDA forward
+    count (T a multiple of the chunk), backward 12KV + 7C(K+V) per token and head."""
     from types import SimpleNamespace
 
     from torch.utils.flop_counter import FlopCounterMode
 
-    from train.flops import kda_flops_per_token
+    from train.observe.flops import kda_flops_per_token
 
     T, H, D, C = 64, 2, 8, 16
     inp = {n: x.float().requires_grad_() for n, x in make_inputs(B=1, T=T, H=H, K=D, V=D).items()}

@@ -1,4 +1,5 @@
-"""train.metrics (jsonl, console, W&B, plots), train.flops and train.model_stats."""
+"""train.observe.metrics (jsonl, console, W&B, plots), train.observe.flops and
+train.observe.model_stats."""
 
 import json
 import os
@@ -12,9 +13,9 @@ import model.decoder as decoder_module
 from model.build import build_model
 from model.config import load_model_config
 from model.inspect import count_params
-from train.flops import flops_per_token, mfu, peak_flops, peak_flops_for_name
-from train.metrics import MetricsLogger, memory_stats, resolve_wandb_mode
-from train.model_stats import (
+from train.observe.flops import flops_per_token, mfu, peak_flops, peak_flops_for_name
+from train.observe.metrics import MetricsLogger, memory_stats, resolve_wandb_mode
+from train.observe.model_stats import (
     attnres_depth_weights,
     expert_load_matrix,
     moe_layer_indices,
@@ -212,7 +213,7 @@ def test_memory_stats_cpu():
 
 
 def test_wandb_gets_one_chart_per_moe_layer():
-    from train.metrics import wandb_values
+    from train.observe.metrics import wandb_values
 
     record = {"loss": 2.5, "lr": None, "sample_ids": [4, 5, 6],
               "moe_layer_ids": [1, 2, 5], "ep_rank_load_static": [1.5, 1.2, 1.9],

@@ -6,7 +6,8 @@
   overshoot-forcing group patterns, all zero; R_src = R, 1 or R + 3;
 * a plain-Python restatement of the two greedy state machines equals planner.py and never needs
   more steps than `greedy_steps` (the bound the fixed-count loops rely on);
-* no host sync (`train.host_syncs.HostSyncCounter` sees 0) and FakeTensorMode traces, on fake CPU
+* no host sync (`train.observe.host_syncs.HostSyncCounter` sees 0) and FakeTensorMode traces, on
+fake CPU
   and fake CUDA tensors; ok is False for negative counts and for a corrupted alloc;
 * op counts: fixed for a shape whatever the counts, <= 4*T2 + 6*T3 + 100 for torch;
 * the Triton kernel under TRITON_INTERPRET=1 in a subprocess (the variable must be set before
@@ -35,7 +36,7 @@ from moonep.device_planner import (
     planner_launches,
 )
 from moonep.planner import plan_replicas, rank_targets
-from train.host_syncs import HostSyncCounter
+from train.observe.host_syncs import HostSyncCounter
 
 ROOT = Path(__file__).resolve().parents[2]
 KINDS = ("uniform", "zipf", "tiny", "sparse", "one_expert", "one_group", "equal", "one_source",

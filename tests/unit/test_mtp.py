@@ -134,8 +134,8 @@ def test_inspect_counts_mtp_apart():
 
 
 def test_mtp_joins_muon_blocks_and_qk_clip():
-    from train.muon import Blocks, muon_blocks
-    from train.qk_clip import mla_modules
+    from train.optim.muon import Blocks, muon_blocks
+    from train.optim.qk_clip import mla_modules
 
     model = tiny_model(num_nextn_predict_layers=1)
     blocks = muon_blocks(model)

@@ -1,4 +1,4 @@
-"""Per-Head Muon (`train.muon`): the orthogonalisation by its SVD, the update against
+"""Per-Head Muon (`train.optim.muon`): the orthogonalisation by its SVD, the update against
 torch.optim.Muon, per-head blocks against single-matrix updates, the Muon / AdamW split, and
 the AdamW side untouched by Muon."""
 
@@ -12,7 +12,7 @@ from torch import nn
 
 from model.build import build_model
 from model.config import load_model_config
-from train.muon import Blocks, MuonAdamW, muon_blocks, newton_schulz, rms_matched_lr
+from train.optim.muon import Blocks, MuonAdamW, muon_blocks, newton_schulz, rms_matched_lr
 
 
 def conditioned(n: int, r: int, c: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -48,7 +48,7 @@ def test_one_matrix_matches_torch_muon(monkeypatch):
     """A whole matrix: three steps of MuonAdamW equal torch.optim.Muon with
     adjust_lr_fn="match_rms_adamw" (both iterating in bf16, CUDA's precision: equal to bf16
     rounding of the batched vs 2-D GEMMs)."""
-    import train.muon as muon_mod
+    import train.optim.muon as muon_mod
 
     monkeypatch.setattr(muon_mod, "ns_dtype", lambda x: torch.bfloat16)
     torch.manual_seed(0)
@@ -101,7 +101,7 @@ def test_adamw_side_is_plain_adamw():
     opt = MuonAdamW(model, lr=3e-3, weight_decay=0.1)
     blocks = muon_blocks(model)
     adamw_names = [n for n, p in model.named_parameters() if n not in blocks and p.requires_grad]
-    from train.optim import no_weight_decay
+    from train.optim.build import no_weight_decay
     tp = dict(twin.named_parameters())
     ref = torch.optim.AdamW(
         [{"params": [tp[n] for n in adamw_names if not no_weight_decay(n, tp[n])],
@@ -175,8 +175,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from launch.pretrain import load_job
 from parallel.dims import ParallelDims
 from parallel.parallelize import shard_on_meta
-from train.muon import _tile, exchange_plans, muon_blocks
-from train.muon_dist import route
+from train.optim.muon import _tile, exchange_plans, muon_blocks
+from train.optim.muon_dist import route
 
 out = {}
 for argv in json.loads(sys.argv[1]):
@@ -202,7 +202,7 @@ def test_sharded_routes_gather_no_whole_model():
     """On 4 ranks (a fake process group, the layouts built as training builds them): per-head
     blocks and experts stay where they live; under tp 2 x dp 2 the whole matrices TP splits
     go to owners that join only TP's shards, nothing is gathered over the whole mesh and all
-    exchanges of a mesh are one (module docstring of `train.muon_dist`)."""
+    exchanges of a mesh are one (module docstring of `train.optim.muon_dist`)."""
     import json
     import subprocess
     import sys

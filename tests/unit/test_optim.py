@@ -5,7 +5,7 @@ import pytest
 
 from model.build import build_model
 from train.config import OptimConfig
-from train.optim import build_optimizer, lr_factor
+from train.optim.build import build_optimizer, lr_factor
 
 
 def test_cosine_with_one_percent_warmup():

@@ -10,8 +10,8 @@ import torch
 
 from model.config import ConfigError
 from tests.helpers.tiny import debug_config, packed_batch, tiny_model
-from train.flops import flops_per_token, mla_flops_per_token, step_flops
-from train.profiling import StepProfiler, format_summary
+from train.observe.flops import flops_per_token, mla_flops_per_token, step_flops
+from train.observe.profiling import StepProfiler, format_summary
 
 
 def test_profiler_writes_trace_and_summary(tmp_path):

@@ -1,4 +1,4 @@
-"""QK-Clip (`train.qk_clip`) on the debug model's Gated MLA layers, against an exact oracle of
+"""QK-Clip (`train.optim.qk_clip`) on the debug model's Gated MLA layers, against an exact oracle of
 the largest pre-softmax logit (float64 q k^T per document, from the attention inputs)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 import model.mla as mla_mod
 from model.build import build_model
 from model.config import load_model_config
-from train.qk_clip import mla_modules, qk_clip, qk_clip_metrics, reset_logits, track_logits
+from train.optim.qk_clip import mla_modules, qk_clip, qk_clip_metrics, reset_logits, track_logits
 
 
 def _batch(vocab: int):

@@ -2,7 +2,7 @@
 
 Checked against independent counts: the GEMM FLOPs of a traced step equal 6 x tokens x the
 GEMM parameters (+ the chunked loss's logit recompute), the custom-op formulas agree with
-per-document causal counts and with `train.flops`, one op's time is max(compute, memory) +
+per-document causal counts and with `train.observe.flops`, one op's time is max(compute, memory) +
 the launch overhead, and the categories add up to the step.
 """
 
@@ -108,7 +108,7 @@ def test_linear_forward_backward_gemm_flops_are_6_in_out_tokens():
 
 def test_custom_op_formulas_count_causal_pairs_per_document():
     from model.config import load_model_config
-    from train.flops import kda_flops_per_token
+    from train.observe.flops import kda_flops_per_token
 
     lengths = [3, 5, 40]
     f = roofline._Formulas(lengths)
@@ -185,7 +185,7 @@ def test_one_layer_has_its_token_mixer_time(idx, kind, has, lacks):
 
 
 def test_layer_model_flops_add_up_to_the_trainers_count():
-    from train.flops import step_flops
+    from train.observe.flops import step_flops
 
     cfg = roofline.load_config(SMALL).model
     lengths = [11, 21, 32, 16, 16]

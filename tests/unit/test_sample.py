@@ -1,4 +1,4 @@
-"""`train.sample.next_token`: greedy at temperature 0; nucleus sampling never leaves the
+"""`train.checkpoint.sample.next_token`: greedy at temperature 0; nucleus sampling never leaves the
 smallest set of most likely tokens reaching top_p, and draws them in proportion."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from train.sample import next_token
+from train.checkpoint.sample import next_token
 
 
 def test_greedy_and_nucleus():

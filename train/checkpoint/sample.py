@@ -1,10 +1,10 @@
 """Text from a checkpoint, for a sanity look at a run or an import (not an inference server).
 
-    python -m train.sample RUN_OR_CHECKPOINT_DIR --prompt "..." [--tokens 64] [--top-p 0.9]
-        [--temperature 0] [--seed 0] [--step N] [--tokenizer DIR|byte] [--device cpu]
+    python -m train.checkpoint.sample RUN_OR_CHECKPOINT_DIR --prompt "..." [--tokens 64]
+        [--top-p 0.9] [--temperature 0] [--seed 0] [--step N] [--tokenizer DIR|byte] [--device cpu]
 
-Loads the checkpoint's model in one process (`train.export_hf.load_model`: the latest complete
-checkpoint of a run directory unless `--step`), encodes the prompt with the run's tokenizer
+Loads the checkpoint's model in one process (`train.checkpoint.export_hf.load_model`: the latest
+complete checkpoint of a run directory unless `--step`), encodes the prompt with the run's tokenizer
 (`RUN_DIR/tokenizer/` from an import, else the run's `data.tokenizer`, else byte) and adds one
 token at a time, recomputing the whole forward each time (no KV cache): greedy at temperature 0
 (the default), else nucleus sampling (the smallest set of most likely tokens whose probability
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from model.config import ConfigError
-from train.export_hf import ExportError, load_model, resolve_checkpoint
+from train.checkpoint.export_hf import ExportError, load_model, resolve_checkpoint
 
 
 def next_token(logits: torch.Tensor, temperature: float, top_p: float,
@@ -70,7 +70,8 @@ def run_tokenizer(run_or_ckpt: Path, explicit: str | None):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m train.sample", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m train.checkpoint.sample",
+                                description=__doc__.split("\n")[0])
     p.add_argument("source", type=Path, help="run directory or checkpoint directory")
     p.add_argument("--prompt", required=True)
     p.add_argument("--tokens", type=int, default=64, help="tokens to add (default 64)")

@@ -1,6 +1,6 @@
 """The diagnostic images' arrays for any layout: whole-model matrices from a TP/PP-sharded model.
 
-`train.model_stats` reads one rank's model. Under pipeline parallelism a rank holds only its
+`train.observe.model_stats` reads one rank's model. Under pipeline parallelism a rank holds only its
 stages' layers, and under tensor (sequence) parallelism each rank mixes only its slice of the
 tokens, so here:
 - router matrices (expert load, router bias): every pipeline rank's MoE rows, gathered and
@@ -22,7 +22,7 @@ from model.packing import Packing
 from parallel.fsdp import unsharded_root
 from parallel.parallelize import ParallelModel
 from parallel.pipeline_forward import forward_through_stages
-from train.model_stats import (
+from train.observe.model_stats import (
     attnres_depth_weights,
     expert_load_matrix,
     mixes_as_matrix,

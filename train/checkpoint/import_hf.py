@@ -1,9 +1,9 @@
 """Import Kimi K3 from Hugging Face safetensors (K3's release, or our own export) as a run
 directory that `launch/pretrain.py` continues in any layout.
 
-    python -m train.import_hf HF_DIR --output RUN_DIR [--tokenizer DIR|none]
+    python -m train.checkpoint.import_hf HF_DIR --output RUN_DIR [--tokenizer DIR|none]
         [--ignore-field NAME ...] [--overwrite] [model.FIELD=VALUE ...]
-    torchrun --nproc_per_node=N -m train.import_hf ...      # N ranks write a share each
+    torchrun --nproc_per_node=N -m train.checkpoint.import_hf ...      # N ranks write a share each
     torchrun ... launch/pretrain.py +cluster=<name> run.dir=RUN_DIR data=... [overrides]
 
 Reads `config.json`: `text_config` onto `ModelConfig` (K3's field names are ours;
@@ -13,10 +13,10 @@ are skipped and logged; any other unknown field is a one-line error (`--ignore-f
 accepts it). `quantization_config` must be compressed-tensors `mxfp4-pack-quantized` (K3's
 routed experts: E2M1 codes, one E8M0 scale per 32, `model.ops.mxfp4`) or absent.
 
-Reads the safetensors index and shards through `train.release_reader.ReleaseReader` (torch
-DCP's `HuggingFaceStorageReader` in our names): every `language_model.*` tensor, renamed as
-`train.export_hf` names it (per-expert tensors stacked back into [E, out, in]); vision and
-projector tensors are skipped and counted; `<name>.weight_packed` + `weight_scale` pairs are
+Reads the safetensors index and shards through `train.checkpoint.release_reader.ReleaseReader`
+(torch DCP's `HuggingFaceStorageReader` in our names): every `language_model.*` tensor, renamed as
+`train.checkpoint.export_hf` names it (per-expert tensors stacked back into [E, out, in]); vision
+and projector tensors are skipped and counted; `<name>.weight_packed` + `weight_scale` pairs are
 dequantised exactly into float32. Every name and shape is checked against the model before
 anything is written. (`release_reader.load_release` loads a release straight into a sharded
 model instead, each rank reading its own shard.)
@@ -56,9 +56,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from model.config import ConfigError, ModelConfig
 from model.inspect import parse_model_overrides
 from model.ops.mxfp4 import GROUP
-from train.checkpoint import Checkpointer, root_cause
-from train.export_hf import _LINEAR
-from train.release_reader import ImportHFError, ReleaseReader, _first_line
+from train.checkpoint.checkpointer import Checkpointer, root_cause
+from train.checkpoint.export_hf import _LINEAR
+from train.checkpoint.release_reader import ImportHFError, ReleaseReader, _first_line
 
 # config.json fields that change no weight of the text model
 IGNORED_TOP = ("architectures", "model_type", "torch_dtype", "dtype", "transformers_version",
@@ -236,8 +236,9 @@ def _tokenizer_folder(folder: Path, tokenizer: str | None, cfg: ModelConfig) -> 
 
 # ------------------------------------------------------------------------------- CLI
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m train.import_hf", description=__doc__.split(
-        "\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m train.checkpoint.import_hf",
+                                description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source", type=Path, help="Hugging Face checkpoint folder (config.json, "
                    "safetensors)")
     p.add_argument("--output", type=Path, required=True, help="run directory to create")

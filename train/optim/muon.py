@@ -17,15 +17,15 @@ Muon (Jordan et al. 2024; Moonlight, Liu et al. 2025) for a matrix parameter W w
 - routed experts [E, out, in]: each expert's matrix on its own;
 - every other 2-D decoder matrix whole (output, MLP, shared-expert, latent and gate
   projections).
-AdamW (`optim.betas`, `optim.eps`; weight decay as `train.optim.no_weight_decay` says) takes the
-embedding, the LM head, norms and other vectors, AttnRes pseudo-queries, A_log / dt_bias, the
+AdamW (`optim.betas`, `optim.eps`; weight decay as `train.optim.build.no_weight_decay` says) takes
+the embedding, the LM head, norms and other vectors, AttnRes pseudo-queries, A_log / dt_bias, the
 short-conv kernels and the router (`adamw_only`). Blocks of one shape are orthogonalised
 together in one batched Newton-Schulz (no Python loop over heads or experts).
 
 `MuonAdamW` is one `torch.optim.Optimizer` over both (one state dict for DCP, one LR scheduler):
 its AdamW groups are driven by an inner `torch.optim.AdamW` (fused on CUDA) sharing the same
 group dicts and state. Sharded matrices are orthogonalised on the rank that holds whole blocks
-of them, or on one owner rank per TP shard group (FSDP, FSDP x TP), see `train.muon_dist`;
+of them, or on one owner rank per TP shard group (FSDP, FSDP x TP), see `train.optim.muon_dist`;
 every layout equals one rank.
 """
 
@@ -39,7 +39,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from train.muon_dist import (
+from train.optim.muon_dist import (
     OwnerExchange,
     Route,
     gather_inner,
@@ -157,7 +157,7 @@ class MuonAdamW(torch.optim.Optimizer):
     def __init__(self, model: nn.Module, lr: float, weight_decay: float, momentum: float = 0.95,
                  nesterov: bool = True, ns_steps: int = 5, betas: tuple[float, float] = (0.9, 0.95),
                  eps: float = 1e-8, fused_adamw: bool | None = None) -> None:
-        from train.optim import no_weight_decay
+        from train.optim.build import no_weight_decay
 
         blocks = muon_blocks(model)
         muon, decay, no_decay = [], [], []

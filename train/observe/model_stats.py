@@ -1,4 +1,4 @@
-"""Collect the arrays `train.metrics.MetricsLogger.log_images` plots from a `K3Model`.
+"""Collect the arrays `train.observe.metrics.MetricsLogger.log_images` plots from a `K3Model`.
 
 * `expert_load_matrix` / `router_bias_matrix`: the routers' `expert_load` and
   `e_score_correction_bias` buffers stacked [n_moe_layers, n_experts] (as numpy).

@@ -1,6 +1,6 @@
 """Export a training checkpoint as Kimi K3 Hugging Face safetensors (k3-architecture.md §7.1).
 
-    python -m train.export_hf RUN_DIR_OR_CHECKPOINT_DIR --output OUT [--step N]
+    python -m train.checkpoint.export_hf RUN_DIR_OR_CHECKPOINT_DIR --output OUT [--step N]
         [--dtype bf16|fp32] [--max-shard-gb 5] [--overwrite]
 
 Reads the model part of one DCP checkpoint (`<run>/checkpoints/step-XXXXXXXX/`, the latest
@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from model.config import ConfigError, ModelConfig
 from model.decoder import K3Model
 from model.init import keeps_fp32
-from train.checkpoint import STEP_DIR, Checkpointer
+from train.checkpoint.checkpointer import STEP_DIR, Checkpointer
 
 PREFIX = "language_model.model."
 LM_HEAD = "language_model.lm_head.weight"
@@ -298,8 +298,9 @@ def load_hf_state_dict(output_dir: Path) -> dict[str, torch.Tensor]:
 
 # ------------------------------------------------------------------------------- CLI
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m train.export_hf", description=__doc__.split(
-        "\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m train.checkpoint.export_hf",
+                                description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source", type=Path, help="run directory or checkpoint directory")
     p.add_argument("--output", type=Path, required=True, help="export directory (created)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")

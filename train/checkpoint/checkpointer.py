@@ -3,10 +3,10 @@
 Layout: `<run>/checkpoints/step-<8 digits>/` holds the DCP shards of {model (with router biases and
 QB statistics), optimizer} plus `train_state.json` (step, tokens seen, data-loader position,
 scheduler, RNG states, model config); a model-only checkpoint (`save_weights`, written by
-`train.import_hf` as step 0) holds the model alone. Each save is written to `.tmp-step-<n>/` and
-published by an atomic rename once every rank has finished, so a crash (even kill -9) mid-write
-leaves the previous checkpoint loadable and the partial one ignored. Loading goes through DCP's
-resharding, so any world size or layout can load any other. Asynchronous saves
+`train.checkpoint.import_hf` as step 0) holds the model alone. Each save is written to
+`.tmp-step-<n>/` and published by an atomic rename once every rank has finished, so a crash (even
+kill -9) mid-write leaves the previous checkpoint loadable and the partial one ignored. Loading goes
+through DCP's resharding, so any world size or layout can load any other. Asynchronous saves
 (`checkpoint.async_save`: on CUDA by default, on CPU when set) stage a copy of the state, write it
 from a background thread on their own gloo group (cpu-testing.md trap 2) and are published at the
 first step end at which every rank has finished writing (`poll`), at the latest at the next save or
@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from train import crash_faults
+from train.faults import crash as crash_faults
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 
@@ -94,7 +94,7 @@ def _file_problem(path: Path, size: int, digest: str) -> str | None:
 
 
 class _FullDisk(FileSystemWriter):
-    """Fault injection (K3TRAIN_FAULT=enospc:<step>, `train.crash_faults`): this rank's shard
+    """Fault injection (K3TRAIN_FAULT=enospc:<step>, `train.faults.crash`): this rank's shard
     write fails as on a full disk."""
 
     def write_data(self, plan, planner):

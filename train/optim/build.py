@@ -1,5 +1,5 @@
-"""The optimizers (AdamW with K3's weight-decay exclusions; Per-Head Muon + AdamW, `train.muon`)
-and the learning-rate schedules (cosine, WSD)."""
+"""The optimizers (AdamW with K3's weight-decay exclusions; Per-Head Muon + AdamW,
+`train.optim.muon`) and the learning-rate schedules (cosine, WSD)."""
 
 from __future__ import annotations
 
@@ -23,13 +23,13 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     CPU 2.7x fewer CPU seconds than the per-parameter loop for the `cpu_bench` model,
     `python benchmarks/optimizer_step_cpu.py --threads 2`: 0.047 vs 0.125 s, the same fp32 and
     fp64 values); elsewhere torch's default implementation. Fake-tensor traces with CUDA
-    backends forced (the roofline) take the CUDA choice. `optim=muon`: `train.muon.MuonAdamW`
+    backends forced (the roofline) take the CUDA choice. `optim=muon`: `train.optim.muon.MuonAdamW`
     (Per-Head Muon on the decoder's matrices, the same AdamW on the rest)."""
     params = [p for p in model.parameters() if p.requires_grad]
     fused = bool(params) and (cuda_backends_forced()
                               or all(p.device.type in ("cuda", "cpu") for p in params))
     if cfg.name == "muon":
-        from train.muon import MuonAdamW
+        from train.optim.muon import MuonAdamW
 
         return MuonAdamW(model, lr=cfg.lr, weight_decay=cfg.weight_decay,
                          momentum=cfg.momentum, nesterov=cfg.nesterov, ns_steps=cfg.ns_steps,

@@ -1,6 +1,7 @@
 """K3's Hugging Face release (or our own export) as a DCP storage reader in our tensor names.
 
-    cfg, _, _ = train.import_hf.model_config_from_release(json.load(open(HF_DIR/config.json)))
+    cfg, _, _ =
+    train.checkpoint.import_hf.model_config_from_release(json.load(open(HF_DIR/config.json)))
     dcp.load(model_state_dict, storage_reader=ReleaseReader(HF_DIR, cfg))  # any layout
     load_release(model, HF_DIR, cfg)      # the same for a (sharded) nn.Module, in place
 
@@ -16,7 +17,7 @@ copies of the embedding and head are skipped; Quantile-Balancing statistics read
 
 torch's `QuantizedHuggingFaceStorageReader` dequantises gpt-oss MXFP4 (`_blocks`/`_scales`) and
 block-FP8 (`weight_scale_inv`) only, not compressed-tensors' names, so it cannot read K3's experts.
-`train.import_hf` uses `read_slice` for whole tensors when it writes a step-0 checkpoint.
+`train.checkpoint.import_hf` uses `read_slice` for whole tensors when it writes a step-0 checkpoint.
 """
 
 from __future__ import annotations
@@ -41,7 +42,14 @@ from torch.futures import Future
 from model.config import ModelConfig
 from model.decoder import K3Model
 from model.ops.mxfp4 import GROUP, MXFP4Error, dequantize_mxfp4
-from train.export_hf import INDEX, SKIPPED, ExportError, _mtp_copies, layer_as_mtp, our_name
+from train.checkpoint.export_hf import (
+    INDEX,
+    SKIPPED,
+    ExportError,
+    _mtp_copies,
+    layer_as_mtp,
+    our_name,
+)
 
 TEXT_PREFIX = "language_model."
 

@@ -40,7 +40,7 @@ from urllib.parse import urlparse
 import numpy as np
 import torch
 
-from train.model_stats import attnres_source_labels
+from train.observe.model_stats import attnres_source_labels
 
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 CONSOLE_FIELDS = (("loss", "loss {:.4f}"), ("mtp_loss", "mtp {:.4f}"),

@@ -14,7 +14,7 @@ shard of it. `route` sorts each Muon matrix:
      the least-loaded rank; the same on every tp rank, as they depend on shapes only);
   2. the owners of a matrix TP also splits (output projections and MLPs: TP's shard is not
      whole blocks) join its TP shards in one `all_gather` over tp among themselves
-     (`gather_inner`); each owner runs the batched Newton-Schulz of `train.muon` on its
+     (`gather_inner`); each owner runs the batched Newton-Schulz of `train.optim.muon` on its
      matrices' blocks and scales them (the AdamW-RMS-matched learning rate of each block's
      shape), keeping its TP shard of the result (`inner_part`);
   3. a second `all_to_all_single` returns each rank its rows of the updates.
