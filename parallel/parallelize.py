@@ -9,13 +9,10 @@ so any layout starts from exactly the single-device weights.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from torch.distributed.fsdp import fully_shard
 
 from model.build import build_model
-from model.decoder import K3Model
 from model.init import init_weights
 from model.ops.mx_linear import mx_backend
 from model.precision import apply_mxfp8
@@ -24,7 +21,8 @@ from parallel.context_parallel import apply_context_parallel
 from parallel.dims import Meshes, ParallelDims
 from parallel.expert_parallel import apply_expert_parallel, expert_parameters
 from parallel.fsdp import DTYPES, apply_fsdp, dtensor_writer, fsdp_kwargs, units_stay_gathered
-from parallel.grad_accumulation import MainGrads, attach_main_grads
+from parallel.grad_accumulation import attach_main_grads
+from parallel.parallel_model import ParallelModel
 from parallel.pipeline import (
     LossScale,
     PipelineStageModule,
@@ -37,39 +35,14 @@ from parallel.pipeline import (
 from parallel.tensor_parallel import apply_tensor_parallel, tp_replicated_params
 
 
-@dataclass
-class ParallelModel:
-    """`model`: this rank's (pruned, sharded) model: optimizer and checkpoints use it."""
-
-    model: K3Model
-    dims: ParallelDims
-    meshes: Meshes
-    expert_params: set = field(default_factory=set)
-    tp_params: list = field(default_factory=list)  # tp-replicated: gradients summed over tp
-    schedule: object | None = None
-    loss_scale: LossScale | None = None
-    stages: list[int] = field(default_factory=list)
-    splits: list[list[int]] = field(default_factory=list)
-    stage_modules: list = field(default_factory=list)  # PipelineStageModule per local stage
-    compiled: bool = False  # decoder layers wrapped in torch.compile (parallel.compile)
-    keep_gathered: bool = False  # FSDP units stay gathered over a step's micro-batches
-    main_grads: MainGrads | None = None  # fused gradient accumulation (parallel.grad_accumulation)
-
-    @property
-    def has_first_stage(self) -> bool:
-        return not self.splits or 0 in self.stages
-
-    @property
-    def has_last_stage(self) -> bool:
-        return not self.splits or len(self.splits) - 1 in self.stages
-
-
 def parallelize(job, dims: ParallelDims, meshes: Meshes, device: torch.device,
                 n_microbatches: int = 1, log=print) -> ParallelModel:
+    """This rank's `ParallelModel` of `job`, materialised on `device` and initialised."""
     out, stage_modules = shard_on_meta(job, dims, meshes, meshes.pp_rank, log)
     out.stage_modules = stage_modules
     out.compiled = bool(job.parallel.compile)
     out.keep_gathered = units_stay_gathered(job.parallel.reshard_after_forward, dims.pp)
+    out.device = device
     model = out.model
     model.to_empty(device=device)
     init_weights(model, job.train.seed, write=dtensor_writer)
@@ -83,13 +56,13 @@ def parallelize(job, dims: ParallelDims, meshes: Meshes, device: torch.device,
     if dims.tp > 1:
         out.tp_params = tp_replicated_params(model.parameters(), meshes.tp)
     if dims.pp > 1:
-        out.loss_scale = LossScale()
+        out.pipeline_loss_scale = LossScale()
         act_dtype = DTYPES[job.cluster.param_dtype]
         io = [stage_io_meta(job.model, out.splits, s, job.data.micro_batch, job.data.seq_len,
                             dims.tp, act_dtype, dims.cp) for s in out.stages]
         out.schedule = build_schedule(stage_modules, out.stages, dims.num_stages,
                                       dims.pp_schedule, meshes.pp.get_group(), device,
-                                      n_microbatches, out.loss_scale, io)
+                                      n_microbatches, out.pipeline_loss_scale, io)
     return out
 
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from model.config import ConfigError, ModelConfig
 
 
@@ -125,6 +127,10 @@ class TrainConfig:
     # straggler_steps steps in a row is named in a warning (0: off)
     straggler_factor: float = 1.5
     straggler_steps: int = 5
+    # log each MLA head's logit bound (attn_logit_max, one chart per layer) with or without
+    # QK-Clip (optim.qk_clip_tau), to watch it grow before choosing a tau; None: on when the
+    # model has MLA layers (always on while QK-Clip is)
+    track_attn_logits: bool | None = None
 
 
 @dataclass
@@ -187,6 +193,19 @@ class JobConfig:
     @property
     def run_dir(self) -> Path:
         return Path(self.run.dir) if self.run.dir else Path("outputs") / self.run.name
+
+
+def plain_config(job: JobConfig) -> dict[str, Any]:
+    """The resolved config as plain dicts and lists (W&B's config)."""
+    return OmegaConf.to_container(OmegaConf.structured(job), resolve=True)  # type: ignore
+
+
+def save_resolved_config(job: JobConfig, run_dir: Path) -> None:
+    """`run_dir/config.yaml`: the resolved config, replaced atomically."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / ".config.yaml.tmp"
+    tmp.write_text(OmegaConf.to_yaml(OmegaConf.structured(job)))
+    os.replace(tmp, run_dir / "config.yaml")
 
 
 def _need(cond: bool, msg: str) -> None:

@@ -206,20 +206,10 @@ def free_port() -> int:
 
 
 def build_loader(job, env, dp_rank: int, dp: int):
-    """The trainer's loader (`train.trainer._build_loader`), or the same steps if it moved."""
-    import train.trainer as trainer
+    """The trainer's loader (`train.preflight.build_loader`)."""
+    from train.preflight import build_loader as trainer_loader
 
-    if hasattr(trainer, "_build_loader"):
-        return trainer._build_loader(job, env, dp_rank, dp)
-    from data.corpus import default_corpus_dir
-    from data.dataset import PackedTokenDataset
-    from data.loader import BatchLoader
-
-    d = job.data
-    folder = (default_corpus_dir(d.tokenizer, max_bytes=d.stdlib_max_bytes)
-              if d.dataset == "stdlib" else Path(d.dataset))
-    return BatchLoader(PackedTokenDataset(folder, d.seq_len), d.global_batch, d.micro_batch,
-                       dp_rank, dp, d.seed)
+    return trainer_loader(job, dp_rank, dp)
 
 
 def worker(ctx: common.Ctx, out: dict) -> bool:
@@ -236,13 +226,15 @@ def worker(ctx: common.Ctx, out: dict) -> bool:
 
     from launch.pretrain import load_job
     from parallel.dims import ParallelDims
+    from parallel.parallel_model import balance_routers
     from parallel.parallelize import parallelize
     from train.config import micro_batches
     from train.distributed import init_distributed
     from train.observe.flops import flops_per_token, peak_flops
     from train.observe.metrics import memory_stats
+    from train.observe.observers import SyncCounts
     from train.optim.build import build_optimizer, build_scheduler
-    from train.trainer import SyncCounts, balance_routers, train_step
+    from train.trainer import train_step
 
     t = time.perf_counter()
     job = load_job(overrides, 1)

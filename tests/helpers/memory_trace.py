@@ -100,7 +100,7 @@ def trace_step(cfg: ModelConfig, batch: int, seq: int, ac: str = "none",
         params = [p for p in model.parameters() if p.requires_grad]
         ids = torch.zeros(batch, seq, dtype=torch.long)
         labels = torch.zeros(batch, seq, dtype=torch.long)
-        if model.context_shard is not None:  # the trainer's windowing (`train.trainer.cp_window`)
+        if model.context_shard is not None:  # the trainer's windowing (`ParallelModel.window`)
             labels = shard_window(stack_targets(labels), *model.context_shard)
         packing = _packing(batch, seq, docs_per_row)
         tracker = _LiveBytes({_storage(p)._cdata for p in model.parameters()})

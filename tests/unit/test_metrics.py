@@ -228,7 +228,8 @@ def test_wandb_key_is_never_written(home, monkeypatch, capsys):
     """Issue #18 item 8: the key is read from the environment only; no file of the run (config,
     metrics, W&B's offline run files) and no console line holds it."""
     from launch.pretrain import load_job
-    from train.trainer import _plain, _save_resolved_config
+    from train.config import plain_config as _plain
+    from train.config import save_resolved_config as _save_resolved_config
 
     secret = "k3secret0123456789abcdef0123456789abcdef"
     monkeypatch.setenv("WANDB_API_KEY", secret)

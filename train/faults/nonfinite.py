@@ -6,6 +6,9 @@ the step everywhere) is exercised the way a real NaN would reach it.
 `debug.inject_nonfinite=[{step: 3, rank: 1, where: activation}]`: `loss` (the rank's loss
 before backward), `activation` (the first decoder layer's input on the rank: the router and
 everything after it see NaN) or `grad` (one gradient after backward: the loss stays finite).
+
+`StepFaults.during(model, step)` is the loop's one entry: it arms this rank's injections of the
+step (and `train.faults.crash`'s kill points) and yields the set that `train_step` applies.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
+
+from train.faults import crash
 
 WHERE = ("loss", "activation", "grad")
 
@@ -48,6 +53,23 @@ class Injections:
 
     def at(self, step: int) -> set[str]:
         return self.by_step.get(step, set())
+
+
+class StepFaults:
+    """Every test-only fault of this rank; `K3TRAIN_FAULT`'s random kill is armed at creation."""
+
+    def __init__(self, debug, rank: int, world_size: int) -> None:
+        self.injections = Injections(debug, rank, world_size)
+        crash.start_random_kill()
+
+    @contextlib.contextmanager
+    def during(self, model: nn.Module, step: int) -> Iterator[frozenset[str]]:
+        """Around one training step: the poisoned activation and the kill hooks armed at
+        `step`; yields the `train_step(faults=...)` set (loss, activation, grad)."""
+        where = frozenset(self.injections.at(step))
+        with poisoned_activation(model, "activation" in where), \
+                crash.step_kill_hooks(model, step):
+            yield where
 
 
 @contextlib.contextmanager

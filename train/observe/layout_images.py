@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from model.packing import Packing
 from parallel.fsdp import unsharded_root
-from parallel.parallelize import ParallelModel
+from parallel.parallel_model import ParallelModel
 from parallel.pipeline_forward import forward_through_stages
 from train.observe.model_stats import (
     attnres_depth_weights,
