@@ -77,9 +77,10 @@ def train(job: JobConfig, env: DistEnv) -> dict[str, Any]:
             observers.begin(step)
             logits.reset()
             batches = loader.next_step()
+            flops = batch_flops(job.model, batches)  # host data: the loader's cu_seqlens
             with observers.counting(), faults.during(model, step) as where:
                 result = train_step(pm, optimizer, batches, env, job.optim.grad_clip,
-                                    observers.syncs, batch_flops(job.model, batches), where)
+                                    observers.syncs, flops, where)
             updates = None
             if result.skipped:  # nothing of this step lands: no update, bias, clip or LR step
                 pm.drop_routing_stats()

@@ -132,3 +132,18 @@ def test_host_syncs_per_step(runs):
         assert m["host_syncs_model"] == 0, m["host_syncs_by_op"]
         assert m["host_syncs_by_op"] == ["Tensor.__float__=1", "Tensor.tolist=6"], \
             m["host_syncs_by_op"]
+
+
+def test_attention_logits_tracked_without_qk_clip(runs):
+    """`train.track_attn_logits` (default on: the debug model has MLA layers) with QK-Clip off
+    (`optim=adamw`): every step logs attn_logit_max and one value per MLA layer, no clip count;
+    2 ranks (each sees half the batch, the bounds reduced by MAX) equal 1 rank at step 1,
+    where the weights are the same."""
+    a, c = metrics(runs["A"]), metrics(runs["C"])
+    for m in a + c:
+        assert "qk_clipped_heads" not in m
+        assert len(m["attn_logit_max_per_layer"]) == len(m["mla_layer_ids"]) > 0
+        assert m["attn_logit_max"] == max(m["attn_logit_max_per_layer"])
+    got, ref = a[0]["attn_logit_max_per_layer"], c[0]["attn_logit_max_per_layer"]
+    assert a[0]["step"] == c[0]["step"] == 1
+    assert got == pytest.approx(ref, rel=1e-5), (got, ref)

@@ -4,6 +4,7 @@ the largest pre-softmax logit (float64 q k^T per document, from the attention in
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,7 +12,14 @@ import torch
 import model.mla as mla_mod
 from model.build import build_model
 from model.config import load_model_config
-from train.optim.qk_clip import mla_modules, qk_clip, qk_clip_metrics, reset_logits, track_logits
+from train.optim.qk_clip import (
+    AttnLogits,
+    mla_modules,
+    qk_clip,
+    qk_clip_metrics,
+    reset_logits,
+    track_logits,
+)
 
 
 def _batch(vocab: int):
@@ -132,3 +140,32 @@ def test_tau_above_every_head_changes_nothing(setup):
     H = mla_modules(model)[0][1].num_heads
     qk_clip(model, 1e9, load_model_config("debug").num_hidden_layers, H, torch.device("cpu"))
     assert all(torch.equal(weights[n], p) for n, p in model.named_parameters())
+
+
+def _bare(model):
+    """The parts of a `ParallelModel` that `AttnLogits` reads, for one rank."""
+    return SimpleNamespace(model=model, device=torch.device("cpu"), tp_head_offset=lambda h: 0)
+
+
+def test_tracking_without_clip_logs_the_bound_and_changes_nothing(monkeypatch):
+    """`train.track_attn_logits` with QK-Clip off: each MLA layer's attn_logit_max is the LSE
+    bound of its exact largest logit (float64 oracle), no weight moves, no clip count is made."""
+    model = build_model("debug", seed=0).double().train()
+    logits = AttnLogits(_bare(model), tau=None, track=None)  # default: on, the model has MLA
+    assert logits.on and logits.mla == [i for i, _ in mla_modules(model)]
+    ids, cu = _batch(load_model_config("debug").vocab_size)
+    logits.reset()
+    exact, _ = _exact_max(model, ids, cu, monkeypatch)
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    m = logits.after_step()
+    assert all(torch.equal(weights[n], p) for n, p in model.named_parameters())
+    assert "qk_clipped_heads" not in m and m["mla_layer_ids"] == logits.mla
+    longest = int((cu[1:] - cu[:-1]).max())
+    for layer, got in zip(logits.mla, m["attn_logit_max_per_layer"], strict=True):
+        true_max = float(exact[layer].max())
+        assert true_max - 1e-6 <= got <= true_max + math.log(longest), (layer, got, true_max)
+    assert m["attn_logit_max"] == max(m["attn_logit_max_per_layer"])
+    off = build_model("debug", seed=0).double().train()
+    quiet = AttnLogits(_bare(off), tau=None, track=False)
+    assert not quiet.on and quiet.after_step() == {}
+    assert all(mod.logit_max is None for _, mod in mla_modules(off))
